@@ -1,0 +1,3 @@
+from servegate.cli import main
+
+raise SystemExit(main())

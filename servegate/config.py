@@ -1,0 +1,313 @@
+"""The gate's configuration: one typed model, loaded from TOML or YAML, with CLI overrides.
+
+Invalid values are rejected when the config loads, with the field, the value and what
+is allowed (``ConfigError``). Shipped profiles live in ``servegate/profiles/<name>.toml``.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from servegate.errors import ConfigError
+
+__all__ = [
+    "EngineName",
+    "MemoryBudget",
+    "MEMORY_PROFILES",
+    "WorkerSpec",
+    "WarmupConfig",
+    "FlushConfig",
+    "OneBatchConfig",
+    "ServingConfig",
+    "OccupancyConfig",
+    "ValidateConfig",
+    "GateConfig",
+    "PROFILES_DIR",
+    "available_profiles",
+    "load_config",
+    "apply_overrides",
+]
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+EngineName = Literal["embedded", "sglang", "vllm", "external"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _finite_positive(name: str, value: float) -> float:
+    if value is None or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
+    return float(value)
+
+
+class MemoryBudget(_Model):
+    """How much memory the worker may take. One named set per hardware profile.
+
+    Each engine reads the fields that apply to it; unset fields are not passed.
+    """
+
+    # SGLang
+    mem_fraction_static: float | None = Field(None, gt=0, le=1, description="SGLang --mem-fraction-static")
+    disable_prefill_cuda_graph: bool = Field(
+        False, description="SGLang --cuda-graph-backend-prefill disabled (when prefill graphs are not needed)"
+    )
+    cuda_graph_max_bs: int | None = Field(None, gt=0, description="SGLang --cuda-graph-max-bs")
+    # shared by SGLang and the embedded worker
+    max_total_tokens: int | None = Field(None, gt=0, description="KV token capacity (SGLang/embedded --max-total-tokens)")
+    max_running_requests: int | None = Field(None, gt=0, description="SGLang/embedded --max-running-requests")
+    # vLLM
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM --gpu-memory-utilization")
+    max_model_len: int | None = Field(None, gt=0, description="vLLM --max-model-len")
+    max_num_seqs: int | None = Field(None, gt=0, description="vLLM --max-num-seqs")
+    cpu_kvcache_space_gib: int | None = Field(None, gt=0, description="vLLM CPU: VLLM_CPU_KVCACHE_SPACE (GiB)")
+
+
+# One named constant set per profile, shared by every model spec (no drift between specs).
+MEMORY_PROFILES: dict[str, MemoryBudget] = {
+    # 0.6 in CI, per SGLang's router e2e fix.
+    "ci-gpu": MemoryBudget(mem_fraction_static=0.6, disable_prefill_cuda_graph=True, cuda_graph_max_bs=32,
+                           gpu_memory_utilization=0.6, max_num_seqs=64, max_model_len=4096),
+    "h100": MemoryBudget(mem_fraction_static=0.85, cuda_graph_max_bs=256, gpu_memory_utilization=0.9,
+                         max_num_seqs=256, max_model_len=8192),
+    # The embedded CPU worker: a KV token capacity and a batch cap.
+    "cpu-small": MemoryBudget(max_total_tokens=16384, max_running_requests=16),
+    "cpu-large": MemoryBudget(max_total_tokens=65536, max_running_requests=32),
+    "vllm-cpu": MemoryBudget(cpu_kvcache_space_gib=2, max_model_len=2048, max_num_seqs=16),
+}
+
+
+class WorkerSpec(_Model):
+    engine: EngineName = Field("embedded", description="which engine to launch (or 'external' to attach)")
+    model: str = Field("smollm2-135m", description="model path or name the engine understands")
+    host: str = Field("127.0.0.1", description="bind / connect host")
+    port: int = Field(0, ge=0, le=65535, description="port; 0 picks a free one")
+    url: str | None = Field(None, description="base URL of an already running server (engine=external)")
+    memory_profile: str = Field("cpu-small", description=f"one of {sorted(MEMORY_PROFILES)}")
+    memory: MemoryBudget | None = Field(None, description="explicit budget; overrides memory_profile fields")
+    extra_args: list[str] = Field(default_factory=list, description="extra launch arguments, appended verbatim")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the worker process")
+    python: str | None = Field(None, description="python executable for engines in their own virtualenv")
+    ready_timeout_s: float = Field(300.0, description="seconds to wait for readiness")
+    enable_metrics: bool = Field(True, description="ask the engine to expose /metrics")
+    speculative_num_draft_tokens: int | None = Field(None, gt=0, description="NGRAM speculative decoding")
+    api_key: str | None = Field(None, description="Bearer token for the server")
+
+    @field_validator("ready_timeout_s")
+    @classmethod
+    def _ready_timeout(cls, v: float) -> float:
+        return _finite_positive("ready_timeout_s", v)
+
+    @field_validator("memory_profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        if v not in MEMORY_PROFILES:
+            raise ValueError(f"unknown memory profile {v!r}; choose one of {sorted(MEMORY_PROFILES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _external_needs_url(self) -> "WorkerSpec":
+        if self.engine == "external" and not self.url:
+            raise ValueError("engine 'external' needs url (the base URL of the running server)")
+        return self
+
+    def budget(self) -> MemoryBudget:
+        """The effective memory budget: the named profile with explicit fields laid over it."""
+        base = MEMORY_PROFILES[self.memory_profile].model_dump()
+        if self.memory is not None:
+            base.update(self.memory.model_dump(exclude_unset=True))
+        return MemoryBudget(**base)
+
+
+class WarmupConfig(_Model):
+    enabled: bool = True
+    num_requests: int = Field(3, ge=1)
+    max_new_tokens: int = Field(64, ge=1, description="SGLang's kits use 64")
+    prompt: str = "The capital of France is"
+    request_timeout_s: float = 120.0
+
+
+class FlushConfig(_Model):
+    timeout_s: float = Field(60.0, description="how long the server may wait for idle before flushing")
+    request_timeout_s: float | None = Field(None, description="HTTP timeout; default timeout_s + 30")
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout(cls, v: float) -> float:
+        return _finite_positive("flush.timeout_s", v)
+
+
+class OneBatchConfig(_Model):
+    enabled: bool = True
+    mode: Literal["server", "offline"] = "server"
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8])
+    input_lens: list[int] = Field(default_factory=lambda: [128])
+    output_lens: list[int] = Field(default_factory=lambda: [32])
+    skip_token_capacity_check: bool = False
+    request_timeout_s: float = 600.0
+    seed: int = 1
+
+    @field_validator("batch_sizes", "input_lens", "output_lens")
+    @classmethod
+    def _positive_list(cls, v: list[int]) -> list[int]:
+        if not v or any(x <= 0 for x in v):
+            raise ValueError(f"must be a non-empty list of positive integers, got {v!r}")
+        return v
+
+
+class ServingConfig(_Model):
+    enabled: bool = True
+    dataset: Literal["random", "sharegpt"] = "random"
+    dataset_path: str | None = None
+    num_prompts: int = Field(16, ge=1)
+    random_input_len: int = Field(128, ge=1)
+    random_output_len: int = Field(32, ge=1)
+    random_range_ratio: float = Field(1.0, ge=0, le=1)
+    arrival: Literal["poisson", "constant", "all-at-once"] = "poisson"
+    request_rate: float = Field(float("inf"), description="requests/s; inf with poisson = all at once")
+    max_concurrency: int | None = Field(None, ge=1)
+    protocol: Literal["native", "openai"] | None = Field(None, description="default: the engine's own")
+    seed: int = 1
+    slo_ttft_ms: float | None = Field(None, gt=0)
+    slo_tpot_ms: float | None = Field(None, gt=0)
+    slo_e2e_ms: float | None = Field(None, gt=0)
+    max_dispatch_lag_p99_ms: float = Field(50.0, gt=0, description="client fell behind past this")
+    request_timeout_s: float = 600.0
+    progress: bool = True
+
+    @field_validator("request_rate")
+    @classmethod
+    def _rate(cls, v: float) -> float:
+        if math.isnan(v) or v <= 0:
+            raise ValueError(f"request_rate must be > 0 (inf = all at once), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _sharegpt_needs_path(self) -> "ServingConfig":
+        if self.dataset == "sharegpt" and not self.dataset_path:
+            raise ValueError("dataset 'sharegpt' needs dataset_path (a ShareGPT-format JSON file)")
+        return self
+
+
+class OccupancyConfig(_Model):
+    enabled: bool = True
+    max_new_tokens: int = Field(2048, ge=1, description="SGLang's kit: 2048")
+    scrape_interval_s: float = Field(0.5, gt=0)
+    min_samples: int = Field(3, ge=1)
+    prompt: str = "Write a long story about a lighthouse keeper."
+    request_timeout_s: float = 900.0
+
+
+class ValidateConfig(_Model):
+    expectation_profile: str = Field("smoke", description="expectations/<name>.json")
+    expectations_dir: str | None = Field(None, description="default: the project's expectations/")
+
+
+class GateConfig(_Model):
+    name: str = Field("smoke", description="gate name (part of the gate key)")
+    hardware: str = Field("cpu", description="hardware profile (part of the gate key)")
+    worker: WorkerSpec = Field(default_factory=WorkerSpec)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    flush: FlushConfig = Field(default_factory=FlushConfig)
+    one_batch: OneBatchConfig = Field(default_factory=OneBatchConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    occupancy: OccupancyConfig = Field(default_factory=OccupancyConfig)
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    output_dir: str = Field("runs", description="run folders are created under this folder")
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid gate config ({source}):"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        value = err.get("input")
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  - {loc} = {value!r}: {msg}")
+    return "\n".join(lines)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing TOML/YAML file or --profile "
+                          f"one of {available_profiles()}")
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(path.read_text())
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+            return data
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+    raise ConfigError(f"{path}: unsupported config format {path.suffix!r}; use .toml, .yaml or .yml")
+
+
+def _parse_override_value(raw: str) -> Any:
+    """Parse a CLI override value as YAML scalar/list (so 'inf', '[1,2]', 'true' work)."""
+    low = raw.strip().lower()
+    if low in ("inf", "+inf", "infinity"):
+        return float("inf")
+    if low in ("-inf", "-infinity"):
+        return float("-inf")
+    if low == "nan":
+        return float("nan")
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides to a raw config mapping (values parsed as YAML)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value (e.g. flush.timeout_s=30)")
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = data
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_override_value(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, profile: str | None = None,
+                overrides: list[str] | None = None) -> GateConfig:
+    """Load a gate config from a file or a shipped profile, apply overrides, validate."""
+    if path is not None and profile is not None:
+        raise ConfigError("give either a config file or a profile, not both")
+    if path is not None:
+        source = str(path)
+        data = _read_file(Path(path))
+    else:
+        profile = profile or "smoke"
+        p = PROFILES_DIR / f"{profile}.toml"
+        if not p.is_file():
+            raise ConfigError(f"unknown profile {profile!r}; choose one of {available_profiles()}")
+        source = f"profile {profile}"
+        data = _read_file(p)
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return GateConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from exc
