@@ -1,1 +1,1 @@
-"""flows"""
+"""Prefect flows (shipped as ``servegate.flows``); they compose tasks and hold no logic."""

@@ -1,5 +1,131 @@
-"""servegate command line (placeholder until the gate lands)."""
+"""The servegate command line.
+
+    servegate run [--profile NAME | --config FILE] [--set section.field=value ...]
+    servegate worker [--model smollm2-135m] [--host 127.0.0.1] [--port P] ...
+    servegate model fetch [--model smollm2-135m]
+    servegate profiles
+
+Exit codes of ``run``: 0 pass, 1 regression (fail), 2 could not decide (inconclusive,
+bad input, infra failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from servegate.errors import ConfigError, ServegateError
+
+__all__ = ["main", "build_parser"]
+
+EXIT_PASS, EXIT_FAIL, EXIT_UNDECIDED = 0, 1, 2
 
 
-def main(argv=None) -> int:
-    return 0
+def _quiet_defaults() -> None:
+    # Nothing can be fetched from a model hub here, and no analytics leave the machine.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servegate", description="A regression gate for LLM serving engines.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the gate end to end and print the verdict",
+                         description="Run the regression gate. Exit 0 pass, 1 regression, 2 could not decide.")
+    src = run.add_mutually_exclusive_group()
+    src.add_argument("--profile", help="a shipped profile (see `servegate profiles`); default smoke")
+    src.add_argument("--config", help="a gate config file (.toml, .yaml)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set flush.timeout_s=30 (repeatable)")
+    run.add_argument("--output-dir", help="parent folder of the run folder (config output_dir)")
+    run.add_argument("--json", action="store_true", help="print the verdict as JSON instead of a table")
+
+    worker = sub.add_parser("worker", help="serve the embedded CPU worker (SGLang-compatible HTTP)")
+    from servegate.worker import cli as worker_cli
+
+    worker_cli.add_arguments(worker)
+
+    model = sub.add_parser("model", help="manage the embedded worker's model cache")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    fetch = model_sub.add_parser("fetch", help="download and convert the model into the cache (idempotent)")
+    fetch.add_argument("--model", default="smollm2-135m", help="model alias (smollm2-135m, tiny-random)")
+
+    sub.add_parser("profiles", help="list the shipped gate profiles")
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from servegate.config import load_config
+
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    config = load_config(path=args.config, profile=None if args.config else (args.profile or "smoke"),
+                         overrides=overrides)
+
+    from servegate.flows.gate import regression_gate
+    from servegate.verdict import Verdict, format_verdict_table
+
+    result = regression_gate(config)
+    verdict = Verdict.model_validate(result["verdict"])
+    if args.json:
+        print(json.dumps({**result["verdict"], "run_dir": result["run_dir"]}, indent=2))
+    else:
+        print(format_verdict_table(verdict))
+        print(f"run folder: {result['run_dir']}")
+    return verdict.exit_code
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from servegate.worker.model import ensure_model, model_identity
+
+    path = ensure_model(args.model)
+    print(json.dumps({"path": str(path), **model_identity(path)}, indent=2))
+    return EXIT_PASS
+
+
+def _cmd_profiles(_: argparse.Namespace) -> int:
+    from servegate.config import available_profiles, load_config
+
+    for name in available_profiles():
+        cfg = load_config(profile=name)
+        print(f"{name:14s} engine={cfg.worker.engine:9s} model={cfg.worker.model}")
+    return EXIT_PASS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_defaults()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "worker":
+            from servegate.worker import cli as worker_cli
+
+            return worker_cli.run(args)
+        if args.command == "model":
+            return _cmd_model(args)
+        if args.command == "profiles":
+            return _cmd_profiles(args)
+    except ConfigError as exc:
+        print(f"servegate: error: {exc}", file=sys.stderr)
+        return EXIT_UNDECIDED
+    except ServegateError as exc:
+        print(f"servegate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_UNDECIDED
+    except KeyboardInterrupt:
+        print("servegate: interrupted; the worker was stopped. Verdict: could not decide.", file=sys.stderr)
+        return EXIT_UNDECIDED
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse guarantees a known command
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""One gate run's state: its folder, its worker, its tables, what each stage did.
+
+The Prefect tasks in ``tasks/`` are thin wrappers that call the stage functions in
+``servegate.bench`` and hand their tables to a :class:`GateRun`; the flow in
+``flows/gate.py`` only composes those tasks. Everything that decides (is the worker
+still usable, should this stage run, what failed and why) lives here, so it is
+tested without Prefect.
+
+Every table is written to the run folder the moment it is measured: a stage that
+fails later loses nothing measured before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from servegate.config import GateConfig
+from servegate.engines import get_engine
+from servegate.engines.base import Engine
+from servegate.errors import InfraError, ServegateError, WorkerDiedError
+
+__all__ = ["GateRun", "MEASUREMENT_STAGES", "StageOutcome"]
+
+logger = logging.getLogger("servegate.gate")
+
+MEASUREMENT_STAGES: tuple[str, ...] = ("one_batch", "serving", "occupancy")
+"""Measurement stages in gate order; each starts from a flushed, idle worker."""
+
+
+@dataclass
+class StageOutcome:
+    stage: str
+    status: str  # ok | failed | skipped | not_applicable
+    duration_s: float = 0.0
+    error: str | None = None
+    tables: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "status": self.status, "duration_s": round(self.duration_s, 3),
+                "error": self.error, "tables": self.tables}
+
+
+class GateRun:
+    """The state of one gate run, shared by the tasks of one flow run (in-process)."""
+
+    def __init__(self, config: GateConfig, folder: Any) -> None:
+        self.config = config
+        self.folder = folder
+        self.engine: Engine = get_engine(config.worker.engine)
+        self.worker: Any = None  # servegate.launch.WorkerHandle once launched
+        self.tables: dict[str, pd.DataFrame] = {}
+        self.stages: dict[str, StageOutcome] = {}
+        self.infra_errors: list[str] = []
+        self.outcomes: list[Any] | None = None  # ExpectationOutcome list once validated
+        self.started_at = time.time()
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def open(cls, config: GateConfig) -> "GateRun":
+        from servegate.results import RunFolder
+
+        folder = RunFolder.create(Path(config.output_dir), config.name)
+        folder.write_config(config)
+        return cls(config, folder)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.folder.path)
+
+    @property
+    def base_url(self) -> str:
+        if self.worker is None:
+            raise WorkerDiedError("no worker is running: the launch stage failed; see launch in stages.json")
+        return self.worker.base_url
+
+    @property
+    def api_key(self) -> str | None:
+        return self.config.worker.api_key
+
+    # -- stage bookkeeping ----------------------------------------------------------------
+    def stage_enabled(self, stage: str) -> bool:
+        section = getattr(self.config, stage, None)
+        return bool(getattr(section, "enabled", True))
+
+    def blocked_reason(self, stage: str | None = None) -> str | None:
+        """Why ``stage`` (or any further stage) cannot run, or None when it can.
+
+        A measurement stage needs a live worker and a successful flush just before it:
+        measuring a worker that is not idle with a cold cache measures something else.
+        """
+        if self.worker is None:
+            return "the worker was never launched (launch failed)"
+        if not self.worker.is_alive():
+            return f"the worker exited (code {self.worker.returncode})"
+        warm = self.stages.get("warmup")
+        if warm is not None and warm.status == "failed":
+            return f"warmup failed: {warm.error}"
+        if stage is not None:
+            flushed = self.stages.get(f"flush:{stage}")
+            if flushed is not None and flushed.status == "failed":
+                return f"the flush before {stage} failed: {flushed.error}"
+        return None
+
+    def skip(self, stage: str, reason: str, status: str = "skipped") -> None:
+        self.stages[stage] = StageOutcome(stage, status, error=reason)
+        self._write_stages()
+
+    @contextlib.contextmanager
+    def stage(self, stage: str) -> Iterator[StageOutcome]:
+        """Time a stage and record how it ended; infra failures are recorded, then re-raised."""
+        outcome = StageOutcome(stage, "ok")
+        started = time.perf_counter()
+        try:
+            yield outcome
+        except BaseException as exc:
+            outcome.status = "failed"
+            outcome.error = self._describe_failure(stage, exc)
+            self.infra_errors.append(f"{stage}: {outcome.error}")
+            raise
+        finally:
+            outcome.duration_s = time.perf_counter() - started
+            self.stages[stage] = outcome
+            self._write_stages()
+
+    def _describe_failure(self, stage: str, exc: BaseException) -> str:
+        if isinstance(exc, KeyboardInterrupt):
+            return "interrupted (Ctrl-C or SIGTERM)"
+        message = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, ServegateError):
+            message = f"internal error ({message}); this is a servegate bug, please report it with the run folder"
+        if self.worker is not None and not isinstance(exc, WorkerDiedError) and not self.worker.is_alive():
+            message += (f"\nThe worker exited during {stage} (code {self.worker.returncode}); "
+                        f"log tail:\n{self.worker.log_tail(20)}")
+        return message
+
+    def save_table(self, name: str, df: pd.DataFrame, outcome: StageOutcome | None = None) -> None:
+        self.tables[name] = df
+        self.folder.write_table(name, df)
+        if outcome is not None:
+            outcome.tables.append(name)
+
+    def save_partial(self, exc: BaseException, name: str) -> None:
+        """Keep what a stage measured before it failed (``exc.partial``), if anything."""
+        partial = getattr(exc, "partial", None)
+        if isinstance(partial, pd.DataFrame) and not partial.empty:
+            self.folder.write_table(f"{name}.partial", partial)
+        elif partial is not None and hasattr(partial, "requests"):
+            self.folder.write_table(f"{name}_requests.partial", partial.requests)
+
+    def _write_stages(self) -> None:
+        self.folder.write_json("stages", {name: o.as_dict() for name, o in self.stages.items()})
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the worker's whole process tree. Safe to call more than once."""
+        if self.worker is not None:
+            try:
+                self.worker.stop()
+            except InfraError as exc:  # never let teardown hide the real outcome
+                self.infra_errors.append(f"teardown: {exc}")
+                logger.error("teardown failed: %s", exc)
