@@ -54,10 +54,24 @@ class Engine(abc.ABC):
         """Environment added to the worker process (on top of os.environ and spec.env)."""
         return dict(spec.env)
 
+    def is_ready(self, session: requests.Session, base_url: str, timeout_s: float) -> bool:
+        """One readiness probe: ``GET readiness_path`` answers 200.
+
+        Transport errors (connection refused while the server starts) propagate as
+        ``requests`` exceptions; the caller (launch) owns retries and their mapping.
+        """
+        response = session.get(base_url.rstrip("/") + self.readiness_path, timeout=timeout_s)
+        return response.status_code == 200
+
     @abc.abstractmethod
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,
-              request_timeout_s: float | None = None) -> None:
-        """Wait for idle and drop the prefix cache; raise FlushError when refused or still busy."""
+              request_timeout_s: float | None = None) -> bool:
+        """Wait for idle and drop the prefix cache.
+
+        Returns True when flushed, False only when the server has no flush endpoint at all
+        (engine "external"); raises FlushError when the server refused or stayed busy past
+        ``timeout_s``, ServerUnreachableError when it did not answer.
+        """
 
     @abc.abstractmethod
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:

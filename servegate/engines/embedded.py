@@ -1,0 +1,55 @@
+"""The embedded CPU worker: ``python -m servegate worker``, SGLang-compatible surface.
+
+Launch flags follow SGLang's spelling; flush, readiness and server info are SGLang's
+(the same code), so the gate exercises the SGLang paths on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import ClassVar
+
+import requests
+
+from servegate.config import WorkerSpec
+from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.engines.sglang import SGLANG_METRIC_NAMES, fetch_sglang_server_info, parse_server_info, sglang_flush
+from servegate.errors import StageError
+
+__all__ = ["EmbeddedEngine"]
+
+
+class EmbeddedEngine(Engine):
+    name: ClassVar[str] = "embedded"
+    protocol: ClassVar[Protocol] = "native"
+    readiness_path: ClassVar[str] = "/health_generate"
+    metric_names: ClassVar[dict[str, str]] = SGLANG_METRIC_NAMES
+    metrics_hint: ClassVar[str] = "start the embedded worker with --enable-metrics (worker.enable_metrics = true)"
+
+    def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
+        budget = spec.budget()
+        cmd = [spec.python or sys.executable, "-m", "servegate", "worker",
+               "--model", spec.model, "--host", spec.host, "--port", str(port)]
+        if budget.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(budget.max_total_tokens)]
+        if budget.max_running_requests is not None:
+            cmd += ["--max-running-requests", str(budget.max_running_requests)]
+        if spec.enable_metrics:
+            cmd += ["--enable-metrics"]
+        if spec.speculative_num_draft_tokens is not None:
+            cmd += ["--speculative-algorithm", "NGRAM",
+                    "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        return cmd + list(spec.extra_args)
+
+    def flush(self, session: requests.Session, base_url: str, timeout_s: float,
+              request_timeout_s: float | None = None) -> bool:
+        return sglang_flush(session, base_url, timeout_s, request_timeout_s, self.name)
+
+    def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
+        doc = fetch_sglang_server_info(session, base_url)
+        if doc is None:
+            raise StageError(f"{base_url} has neither /server_info nor /get_server_info; "
+                             f"is it the embedded worker (python -m servegate worker)?")
+        return parse_server_info(doc)

@@ -1,0 +1,65 @@
+"""An already running OpenAI-compatible server at ``worker.url``: nothing is launched.
+
+Readiness: ``GET /health`` 200, or — for servers without that route (404/405) —
+``GET /v1/models`` 200. Flush: ``POST /flush_cache`` with no parameters where the server
+has it; a server without the route (404/405/501) is not an error: ``flush`` returns False
+and the flush stage logs a warning. Any other refusal is a ``FlushError``. Server capacity
+is read from SGLang-style server info where present, else ``inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import requests
+
+from servegate.config import WorkerSpec
+from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.engines.sglang import fetch_sglang_server_info, parse_server_info
+from servegate.errors import ConfigError, FlushError
+from servegate.http import body_excerpt, join_url, unreachable_as_error
+
+__all__ = ["ExternalEngine"]
+
+_NO_ROUTE = (404, 405, 501)
+
+
+class ExternalEngine(Engine):
+    name: ClassVar[str] = "external"
+    protocol: ClassVar[Protocol] = "openai"
+    readiness_path: ClassVar[str] = "/health"
+    metric_names: ClassVar[dict[str, str]] = {}
+    metrics_hint: ClassVar[str] = (
+        "servegate does not know an external server's metric names; if it is SGLang or vLLM, "
+        "use engine 'sglang' or 'vllm' with its URL, or disable the occupancy stage"
+    )
+
+    def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
+        raise ConfigError("engine 'external' launches nothing: it attaches to worker.url; "
+                          "pick engine embedded, sglang or vllm to launch a server")
+
+    def is_ready(self, session: requests.Session, base_url: str, timeout_s: float) -> bool:
+        response = session.get(join_url(base_url, "/health"), timeout=timeout_s)
+        if response.status_code in _NO_ROUTE:
+            response = session.get(join_url(base_url, "/v1/models"), timeout=timeout_s)
+        return response.status_code == 200
+
+    def flush(self, session: requests.Session, base_url: str, timeout_s: float,
+              request_timeout_s: float | None = None) -> bool:
+        url = join_url(base_url, "/flush_cache")
+        http_timeout = request_timeout_s if request_timeout_s is not None else timeout_s + 30.0
+        with unreachable_as_error(url):
+            response = session.post(url, timeout=http_timeout)
+        if response.status_code == 200:
+            return True
+        if response.status_code in _NO_ROUTE:
+            return False
+        raise FlushError(f"the server refused to flush its cache: POST {url} -> {response.status_code}: "
+                         f"{body_excerpt(response)!r}; wait until it is idle, or check its log")
+
+    def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
+        doc = fetch_sglang_server_info(session, base_url)
+        if doc is None:
+            return ServerCapacity(token_capacity=math.inf, max_running_requests=math.inf, raw={})
+        return parse_server_info(doc)

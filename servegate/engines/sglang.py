@@ -1,0 +1,172 @@
+"""SGLang: ``python -m sglang.launch_server`` with the profile's memory budget, native protocol.
+
+Flush is ``POST /flush_cache?timeout=T``: the server waits up to T seconds for idle, then
+answers 200 (flushed) or 400 (still busy). Server info comes from ``/server_info``
+(newer SGLang) or ``/get_server_info`` (older).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import requests
+
+from servegate.config import WorkerSpec
+from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.errors import FlushError, StageError
+from servegate.http import body_excerpt, join_url, json_body, unreachable_as_error
+
+__all__ = ["SGLangEngine", "SGLANG_METRIC_NAMES", "parse_server_info", "fetch_sglang_server_info", "sglang_flush"]
+
+SGLANG_METRIC_NAMES: dict[str, str] = {
+    "fwd_occupancy": "sglang:fwd_occupancy",
+    "spec_accept_length": "sglang:spec_accept_length",
+    "token_usage": "sglang:token_usage",
+    "num_running_reqs": "sglang:num_running_reqs",
+    "num_queue_reqs": "sglang:num_queue_reqs",
+}
+
+# Newer SGLang renamed /get_server_info to /server_info; try the new name first.
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+
+
+def _positive_number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if math.isnan(value) or value <= 0:
+        return None
+    return float(value)
+
+
+def parse_server_info(doc: dict[str, Any]) -> ServerCapacity:
+    """Token capacity and max running requests from an SGLang server-info document.
+
+    token capacity: the sum of ``internal_states[*].memory_usage.token_capacity`` (one entry per
+    DP rank); when any rank lacks it, ``max_total_num_tokens``. max running requests:
+    ``effective_max_running_requests_per_dp * dp_size``; else ``max_running_requests``.
+    ``math.inf`` where the server reports neither.
+    """
+    states = doc.get("internal_states")
+    states = [s for s in states if isinstance(s, dict)] if isinstance(states, list) else []
+    first = states[0] if states else {}
+
+    token_capacity = math.inf
+    per_rank = [_positive_number((s.get("memory_usage") or {}).get("token_capacity")) for s in states]
+    if per_rank and all(c is not None for c in per_rank):
+        token_capacity = float(sum(per_rank))  # type: ignore[arg-type]
+    else:
+        fallback = _positive_number(doc.get("max_total_num_tokens"))
+        if fallback is None:
+            fallback = _positive_number(first.get("max_total_num_tokens"))
+        if fallback is not None:
+            token_capacity = fallback
+
+    max_running = math.inf
+    per_dp = _positive_number(first.get("effective_max_running_requests_per_dp"))
+    if per_dp is not None:
+        dp_size = _positive_number(doc.get("dp_size")) or 1.0
+        max_running = per_dp * dp_size
+    else:
+        fallback = _positive_number(doc.get("max_running_requests"))
+        if fallback is None:
+            fallback = _positive_number(first.get("max_running_requests"))
+        if fallback is not None:
+            max_running = fallback
+
+    return ServerCapacity(token_capacity=token_capacity, max_running_requests=max_running, raw=doc)
+
+
+def fetch_sglang_server_info(session: requests.Session, base_url: str,
+                             timeout_s: float = 30.0) -> dict[str, Any] | None:
+    """The server-info document from ``/server_info`` or ``/get_server_info``; None when both are 404."""
+    for path in SERVER_INFO_PATHS:
+        url = join_url(base_url, path)
+        with unreachable_as_error(url):
+            response = session.get(url, timeout=timeout_s)
+        if response.status_code == 404:
+            continue
+        if response.status_code != 200:
+            raise StageError(f"GET {url} answered {response.status_code}: {body_excerpt(response)!r}; "
+                             f"the server could not report its capacity — check its log")
+        doc = json_body(response, "reading server info")
+        if not isinstance(doc, dict):
+            raise StageError(f"GET {url} returned {type(doc).__name__}, not a JSON object; "
+                             f"check that the URL points at an SGLang-compatible server")
+        return doc
+    return None
+
+
+def sglang_flush(session: requests.Session, base_url: str, timeout_s: float,
+                 request_timeout_s: float | None, engine_name: str) -> bool:
+    """``POST /flush_cache?timeout=T``: 200 flushed, 400 still busy after T seconds."""
+    url = join_url(base_url, "/flush_cache")
+    http_timeout = request_timeout_s if request_timeout_s is not None else timeout_s + 30.0
+    with unreachable_as_error(url, f"the flush waits up to {timeout_s:g} s for idle; "
+                                   f"raise flush.request_timeout_s if the server is slow to answer"):
+        # `:g` so that 60.0 goes out as "60": servers that declare the parameter int accept it too.
+        response = session.post(url, params={"timeout": f"{timeout_s:g}"}, timeout=http_timeout)
+    if response.status_code == 200:
+        return True
+    if response.status_code == 400:
+        raise FlushError(
+            f"{engine_name} did not flush its prefix cache: still busy after {timeout_s:g} s "
+            f"(POST {url} -> 400: {body_excerpt(response)!r}); requests are still running — wait for them "
+            f"to finish or raise flush.timeout_s"
+        )
+    raise FlushError(
+        f"{engine_name} refused to flush its prefix cache: POST {url} -> {response.status_code}: "
+        f"{body_excerpt(response)!r}; check the server log"
+    )
+
+
+class SGLangEngine(Engine):
+    name: ClassVar[str] = "sglang"
+    protocol: ClassVar[Protocol] = "native"
+    readiness_path: ClassVar[str] = "/health_generate"
+    metric_names: ClassVar[dict[str, str]] = SGLANG_METRIC_NAMES
+    metrics_hint: ClassVar[str] = (
+        "start the server with --enable-metrics and env SGLANG_ENABLE_METRICS_DEVICE_TIMER=1"
+    )
+
+    def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
+        budget = spec.budget()
+        cmd = [spec.python or "python3", "-m", "sglang.launch_server",
+               "--model-path", spec.model, "--host", spec.host, "--port", str(port)]
+        if budget.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(budget.mem_fraction_static)]
+        if budget.disable_prefill_cuda_graph:
+            cmd += ["--cuda-graph-backend-prefill", "disabled"]
+        if budget.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(budget.max_total_tokens)]
+        if budget.max_running_requests is not None:
+            cmd += ["--max-running-requests", str(budget.max_running_requests)]
+        if budget.cuda_graph_max_bs is not None:
+            cmd += ["--cuda-graph-max-bs", str(budget.cuda_graph_max_bs)]
+        if spec.enable_metrics:
+            cmd += ["--enable-metrics"]
+        if spec.speculative_num_draft_tokens is not None:
+            cmd += ["--speculative-algorithm", "NGRAM",
+                    "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        return cmd + list(spec.extra_args)
+
+    def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if spec.enable_metrics:
+            # sglang:fwd_occupancy is only measured with the device timer on.
+            env["SGLANG_ENABLE_METRICS_DEVICE_TIMER"] = "1"
+        env.update(spec.env)  # the user's env wins
+        return env
+
+    def flush(self, session: requests.Session, base_url: str, timeout_s: float,
+              request_timeout_s: float | None = None) -> bool:
+        return sglang_flush(session, base_url, timeout_s, request_timeout_s, self.name)
+
+    def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
+        doc = fetch_sglang_server_info(session, base_url)
+        if doc is None:
+            raise StageError(f"{base_url} has neither /server_info nor /get_server_info; "
+                             f"is it an SGLang server? Use engine 'external' for other servers")
+        return parse_server_info(doc)

@@ -1,0 +1,116 @@
+"""vLLM: ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``), OpenAI protocol.
+
+Flush is ``POST /reset_prefix_cache``, mounted only with ``VLLM_SERVER_DEV_MODE=1`` (404
+otherwise). vLLM does not wait for idle itself, and newer versions answer 200 with
+``{"success": false}`` while running requests still hold cache blocks; so the flush is retried
+until it succeeds or ``timeout_s`` has passed — the same contract as SGLang's
+``/flush_cache?timeout=T``. vLLM reports no token capacity: ``server_capacity`` is ``inf``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import ClassVar
+
+import requests
+
+from servegate.config import WorkerSpec
+from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.errors import FlushError
+from servegate.http import body_excerpt, join_url, unreachable_as_error
+
+__all__ = ["VLLMEngine", "VLLM_METRIC_NAMES"]
+
+VLLM_METRIC_NAMES: dict[str, str] = {
+    # vLLM's KV usage is a 0..1 fraction like sglang:token_usage.
+    "kv_cache_usage": "vllm:kv_cache_usage_perc",
+    "token_usage": "vllm:kv_cache_usage_perc",
+    "num_running_reqs": "vllm:num_requests_running",
+    "num_queue_reqs": "vllm:num_requests_waiting",
+}
+
+FLUSH_RETRY_INTERVAL_S = 0.5
+
+
+def _refused(response: requests.Response) -> bool:
+    """True when a 200 answer carries ``{"success": false}`` (newer vLLM's refusal)."""
+    if not response.content:
+        return False
+    try:
+        doc = response.json()
+    except ValueError:
+        return False  # older vLLM: plain 200 with no JSON body means flushed
+    return isinstance(doc, dict) and doc.get("success") is False
+
+
+class VLLMEngine(Engine):
+    name: ClassVar[str] = "vllm"
+    protocol: ClassVar[Protocol] = "openai"
+    readiness_path: ClassVar[str] = "/health"
+    metric_names: ClassVar[dict[str, str]] = VLLM_METRIC_NAMES
+    metrics_hint: ClassVar[str] = (
+        "vLLM serves /metrics by default; check that the URL is the API server's and that it is a "
+        "recent vLLM (vllm:kv_cache_usage_perc, vllm:num_requests_running); vLLM has no fwd_occupancy gauge"
+    )
+
+    def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
+        budget = spec.budget()
+        if spec.python is None:
+            cmd = ["vllm", "serve", spec.model]
+        else:
+            cmd = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model]
+        cmd += ["--host", spec.host, "--port", str(port)]
+        if budget.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(budget.gpu_memory_utilization)]
+        if budget.max_model_len is not None:
+            cmd += ["--max-model-len", str(budget.max_model_len)]
+        if budget.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(budget.max_num_seqs)]
+        if spec.speculative_num_draft_tokens is not None:
+            cmd += ["--speculative-config", json.dumps(
+                {"method": "ngram", "num_speculative_tokens": spec.speculative_num_draft_tokens})]
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        return cmd + list(spec.extra_args)
+
+    def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
+        # /reset_prefix_cache exists only in dev mode; without it the flush stage cannot run.
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        budget = spec.budget()
+        if budget.cpu_kvcache_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(budget.cpu_kvcache_space_gib)
+        env.update(spec.env)
+        return env
+
+    def flush(self, session: requests.Session, base_url: str, timeout_s: float,
+              request_timeout_s: float | None = None) -> bool:
+        url = join_url(base_url, "/reset_prefix_cache")
+        http_timeout = request_timeout_s if request_timeout_s is not None else timeout_s + 30.0
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with unreachable_as_error(url):
+                response = session.post(url, timeout=http_timeout)
+            if response.status_code == 404:
+                raise FlushError(
+                    f"vLLM has no /reset_prefix_cache (POST {url} -> 404); start the server with env "
+                    f"VLLM_SERVER_DEV_MODE=1 (servegate sets it when it launches vLLM)"
+                )
+            if response.status_code != 200:
+                raise FlushError(f"vLLM refused to reset its prefix cache: POST {url} -> {response.status_code}: "
+                                 f"{body_excerpt(response)!r}; check the server log")
+            if not _refused(response):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FlushError(
+                    f"vLLM refused to reset its prefix cache for {timeout_s:g} s (POST {url} -> 200 "
+                    f"{body_excerpt(response)!r}): running requests still hold cache blocks — wait for them "
+                    f"to finish or raise flush.timeout_s"
+                )
+            time.sleep(min(FLUSH_RETRY_INTERVAL_S, remaining))
+
+    def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
+        # vLLM reports no KV token capacity or running-request cap over HTTP.
+        return ServerCapacity(token_capacity=math.inf, max_running_requests=math.inf, raw={})

@@ -1,0 +1,406 @@
+"""Launch an inference worker with a bounded memory budget, wait for readiness, end its tree.
+
+The worker is started from an argument list in its own session (own process group), with
+stdout and stderr streamed to a log file. Readiness is polled with backoff (retries belong
+to launch). A process that exits during start-up fails the launch at once; exit by SIGKILL
+is reported as a likely out-of-memory kill with the memory budget in the message.
+
+No process survives the gate: ``WorkerHandle.stop()`` ends the whole tree (descendants found
+with psutil plus anything left in the worker's process group: SIGTERM, wait, SIGKILL), and
+every live handle is also stopped
+
+- on any exception or ``KeyboardInterrupt`` inside ``launch_worker`` and inside ``with handle:``;
+- at interpreter exit (``atexit``);
+- on SIGTERM: when the process has no SIGTERM handler of its own (``SIG_DFL``) and the first
+  launch runs in the main thread, servegate installs one that raises ``SystemExit(143)`` so that
+  ``finally`` blocks, context managers and ``atexit`` run. A handler someone else installed —
+  Prefect's flow engine installs one that raises ``TerminationSignal`` during a flow run — is
+  left alone: it also unwinds the stack, which stops the handles.
+
+A SIGKILL of the gate itself cannot be caught; the worker then outlives it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+import psutil
+import requests
+
+from servegate.config import WorkerSpec
+from servegate.engines import Engine, get_engine
+from servegate.errors import ConfigError, WorkerDiedError, WorkerLaunchError, WorkerOOMError
+from servegate.http import make_session
+
+__all__ = ["WorkerHandle", "launch_worker", "terminate_tree", "free_port"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 30.0
+"""Longest single readiness probe (SGLang's /health_generate runs a 1-token generate)."""
+FIRST_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 2.0
+KILL_WAIT_S = 5.0
+"""How long to wait for SIGKILLed processes to disappear."""
+
+# Which budget fields to lower when a worker is OOM-killed, per engine.
+_OOM_KNOBS = {
+    "sglang": "mem_fraction_static, max_total_tokens, max_running_requests, cuda_graph_max_bs",
+    "vllm": "gpu_memory_utilization, max_model_len, max_num_seqs, cpu_kvcache_space_gib",
+    "embedded": "max_total_tokens, max_running_requests",
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (another process may still take it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _connect_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _redacted(cmd: list[str]) -> str:
+    shown = list(cmd)
+    for i, arg in enumerate(shown[:-1]):
+        if arg == "--api-key":
+            shown[i + 1] = "***"
+    return shlex.join(shown)
+
+
+def _is_gone(proc: psutil.Process) -> bool:
+    # A zombie has exited; it only waits for its (possibly new) parent to reap it.
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until every process has exited; the ones still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in procs if not _is_gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if not _is_gone(p)]
+    return alive
+
+
+def _send(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass  # already gone, or not ours to signal
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    """Processes still in process group ``pgid`` (orphans reparented away from the tree)."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and os.getpgid(proc.pid) == pgid:
+                members.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return members
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def terminate_tree(pid: int, timeout_s: float = 10.0) -> None:
+    """End ``pid`` and all its descendants: SIGTERM, wait up to ``timeout_s``, SIGKILL survivors.
+
+    For a worker started by ``launch_worker`` use ``WorkerHandle.stop()``, which also reaps the
+    process and records its exit code.
+    """
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [root, *_descendants(pid)]
+    _send(procs, signal.SIGTERM)
+    alive = _wait_gone(procs, timeout_s)
+    _send(alive, signal.SIGKILL)
+    _wait_gone(alive, KILL_WAIT_S)
+
+
+def _end_worker_tree(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    # Collect the tree before any signal: once a parent dies its children are reparented
+    # and no longer show up as its descendants.
+    pgid = process.pid  # start_new_session=True: the worker leads its own group
+    others = {p.pid: p for p in _descendants(process.pid)}
+    others.update({p.pid: p for p in _group_members(pgid) if p.pid != process.pid})
+    procs = list(others.values())
+
+    deadline = time.monotonic() + timeout_s
+    _send(procs, signal.SIGTERM)
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        try:
+            process.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            # Unkillable for now (e.g. stuck in the kernel on a GPU driver call); nothing more to do.
+            logger.warning("worker pid %d did not exit %.0f s after SIGKILL", process.pid, KILL_WAIT_S)
+    alive = _wait_gone(procs, max(0.0, deadline - time.monotonic()))
+    _send(alive, signal.SIGKILL)
+    _wait_gone(alive, KILL_WAIT_S)
+    # Anything still in the group (e.g. forked during teardown) gets SIGKILL too.
+    stragglers = [p for p in _group_members(pgid) if not _is_gone(p)]
+    _send(stragglers, signal.SIGKILL)
+    _wait_gone(stragglers, KILL_WAIT_S)
+
+
+def _read_tail(path: Path, n_lines: int, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return "<no log>"
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-n_lines:])
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+class WorkerHandle:
+    """A launched (or, for engine "external", attached) worker. Use as a context manager."""
+
+    def __init__(self, spec: WorkerSpec, engine: Engine, base_url: str, log_path: Path,
+                 process: subprocess.Popen[bytes] | None, command: list[str] | None = None) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.base_url = base_url
+        self.log_path = log_path
+        self.command = command
+        self._process = process
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's pid; None for an attached external server."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit code once the process has exited (negative: killed by that signal); else None."""
+        return self._process.poll() if self._process is not None else None
+
+    def is_alive(self) -> bool:
+        """Whether the worker process runs (always True for an attached external server)."""
+        return self._process is None or self._process.poll() is None
+
+    def log_tail(self, n_lines: int = 50) -> str:
+        """The last ``n_lines`` lines of the worker's log."""
+        return _read_tail(self.log_path, n_lines)
+
+    def check_alive(self) -> None:
+        """Raise ``WorkerDiedError`` (exit code, log tail) when the worker process has exited."""
+        if self._process is None:
+            return
+        rc = self._process.poll()
+        if rc is None:
+            return
+        if self._stopped:
+            raise WorkerDiedError(f"the {self.engine.name} worker (pid {self.pid}) was stopped by servegate "
+                                  f"(exit code {rc}); launch a new one")
+        how = f"exit code {rc}"
+        if rc == -signal.SIGKILL:
+            how += " (SIGKILL — likely the OOM killer; lower the memory budget)"
+        elif rc < 0:
+            how += f" ({_signal_name(rc)})"
+        raise WorkerDiedError(
+            f"the {self.engine.name} worker (pid {self.pid}) exited while the gate was using it: {how}; "
+            f"see the log {self.log_path}; log tail:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the whole process tree (SIGTERM, wait ``timeout_s``, SIGKILL). Idempotent."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        _LIVE_HANDLES.discard(self)
+        if self._process is not None:
+            _end_worker_tree(self._process, timeout_s)
+
+    def __enter__(self) -> "WorkerHandle":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"WorkerHandle(engine={self.engine.name!r}, base_url={self.base_url!r}, pid={self.pid})"
+
+
+_LIVE_HANDLES: set[WorkerHandle] = set()
+_atexit_registered = False
+_sigterm_checked = False
+
+
+def _stop_all_workers() -> None:
+    for handle in list(_LIVE_HANDLES):
+        handle.stop()
+
+
+def _sigterm_to_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _install_exit_hooks() -> None:
+    global _atexit_registered, _sigterm_checked
+    if not _atexit_registered:
+        atexit.register(_stop_all_workers)
+        _atexit_registered = True
+    # signal.signal works only in the main thread; Prefect may run tasks in worker threads,
+    # so keep trying on later launches until one happens in the main thread.
+    if not _sigterm_checked and threading.current_thread() is threading.main_thread():
+        _sigterm_checked = True
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _sigterm_to_exit)
+
+
+def _startup_exit_error(handle: WorkerHandle, rc: int) -> WorkerLaunchError:
+    tail = handle.log_tail()
+    cmd = _redacted(handle.command or [])
+    if rc == -signal.SIGKILL:
+        budget = handle.spec.budget().model_dump(exclude_none=True)
+        fields = ", ".join(f"{k}={v}" for k, v in budget.items())
+        knobs = _OOM_KNOBS.get(handle.engine.name, "the memory budget fields")
+        return WorkerOOMError(
+            f"the {handle.engine.name} worker was killed by SIGKILL during start-up — likely the OOM killer; "
+            f"memory budget (profile {handle.spec.memory_profile!r}): {fields}; lower it ({knobs}) or pick a "
+            f"smaller memory_profile; command: {cmd}; log {handle.log_path}; log tail:\n{tail}"
+        )
+    how = f"exit code {rc}" + (f" ({_signal_name(rc)})" if rc < 0 else "")
+    return WorkerLaunchError(
+        f"the {handle.engine.name} worker exited during start-up with {how}; read the log tail below "
+        f"(full log: {handle.log_path}); command: {cmd}; log tail:\n{tail}"
+    )
+
+
+def _wait_ready(handle: WorkerHandle, session: requests.Session, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = FIRST_BACKOFF_S
+    last_probe = "no probe answered yet"
+    probe_url = handle.base_url + handle.engine.readiness_path
+    while True:
+        process = handle._process
+        if process is not None and (rc := process.poll()) is not None:
+            raise _startup_exit_error(handle, rc)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            where = f"; log {handle.log_path}; log tail:\n{handle.log_tail()}" if process is not None else ""
+            raise WorkerLaunchError(
+                f"the {handle.engine.name} worker at {handle.base_url} was not ready after {timeout_s:g} s "
+                f"(probe {probe_url}: {last_probe}); raise worker.ready_timeout_s if it is still loading, "
+                f"or read its log{where}"
+            )
+        try:
+            if handle.engine.is_ready(session, handle.base_url, min(remaining, PROBE_TIMEOUT_S)):
+                return
+            last_probe = "answered, but not ready"
+        except requests.RequestException as exc:
+            last_probe = f"{type(exc).__name__}"  # connection refused while the server starts
+        pause = min(delay, max(0.0, deadline - time.monotonic()))
+        delay = min(delay * 1.5, MAX_BACKOFF_S)
+        if process is not None:
+            try:
+                process.wait(timeout=pause)  # returns early when the worker exits
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            time.sleep(pause)
+
+
+def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | None = None,
+                  engine: Engine | None = None) -> WorkerHandle:
+    """Start the worker ``spec`` describes and wait until it is ready.
+
+    ``spec.port == 0`` picks a free port. The worker's stdout and stderr go to ``log_path``
+    (appended; the command line, API key redacted, is written first). Engine "external"
+    starts nothing: it waits for ``spec.url`` to be ready and returns a handle without a process.
+    ``engine`` overrides ``get_engine(spec.engine)`` (tests launch a stand-in server this way).
+
+    Raises ``WorkerOOMError`` (SIGKILL during start-up), ``WorkerLaunchError`` (other exit,
+    not ready in time, executable missing), ``ConfigError`` (bad timeout).
+    """
+    timeout_s = spec.ready_timeout_s if ready_timeout_s is None else ready_timeout_s
+    if isinstance(timeout_s, bool) or math.isnan(timeout_s) or math.isinf(timeout_s) or timeout_s <= 0:
+        raise ConfigError(f"ready_timeout_s must be a finite number > 0 (seconds), got {timeout_s!r}")
+    engine = engine or get_engine(spec.engine)
+    session = make_session(spec.api_key)
+    log_path = Path(log_path)
+
+    if engine.name == "external":
+        if not spec.url:
+            raise ConfigError("engine 'external' needs worker.url (the base URL of the running server)")
+        handle = WorkerHandle(spec, engine, spec.url.rstrip("/"), log_path, None)
+        with session:
+            _wait_ready(handle, session, timeout_s)
+        return handle
+
+    port = spec.port or free_port(spec.host)
+    cmd = engine.launch_command(spec, port)
+    # PYTHONUNBUFFERED so that the log tail shows the last words of a crashing Python worker.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    _install_exit_hooks()
+    with open(log_path, "ab") as log:
+        log.write(f"# servegate: launching {engine.name}: {_redacted(cmd)}\n".encode())
+        log.flush()
+        try:
+            process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env, start_new_session=True, close_fds=True)
+        except OSError as exc:
+            raise WorkerLaunchError(
+                f"could not start the {engine.name} worker ({_redacted(cmd)}): {exc}; check that the engine is "
+                f"installed, or point worker.python at the interpreter of its virtualenv"
+            ) from exc
+    handle = WorkerHandle(spec, engine, f"http://{_connect_host(spec.host)}:{port}", log_path, process, cmd)
+    _LIVE_HANDLES.add(handle)
+    try:
+        with session:
+            _wait_ready(handle, session, timeout_s)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle

@@ -1,0 +1,171 @@
+"""Engine launch commands, env, and server-info parsing.
+
+GPU engines cannot run here, so their exact argument lists and env are asserted instead.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from servegate.config import MEMORY_PROFILES, MemoryBudget, WorkerSpec
+from servegate.engines import (EmbeddedEngine, ExternalEngine, SGLangEngine, VLLMEngine, get_engine)
+from servegate.engines.sglang import parse_server_info
+from servegate.errors import ConfigError
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SGLANG_BASE = ["python3", "-m", "sglang.launch_server", "--model-path", MODEL, "--host", "127.0.0.1",
+               "--port", "30000"]
+
+SGLANG_BUDGET_ARGS = {
+    "ci-gpu": ["--mem-fraction-static", "0.6", "--cuda-graph-backend-prefill", "disabled",
+               "--cuda-graph-max-bs", "32"],
+    "h100": ["--mem-fraction-static", "0.85", "--cuda-graph-max-bs", "256"],
+    "cpu-small": ["--max-total-tokens", "16384", "--max-running-requests", "16"],
+    "cpu-large": ["--max-total-tokens", "65536", "--max-running-requests", "32"],
+    "vllm-cpu": [],
+}
+VLLM_BUDGET_ARGS = {
+    "ci-gpu": ["--gpu-memory-utilization", "0.6", "--max-model-len", "4096", "--max-num-seqs", "64"],
+    "h100": ["--gpu-memory-utilization", "0.9", "--max-model-len", "8192", "--max-num-seqs", "256"],
+    "cpu-small": [],
+    "cpu-large": [],
+    "vllm-cpu": ["--max-model-len", "2048", "--max-num-seqs", "16"],
+}
+
+
+def test_every_profile_has_an_expected_command() -> None:
+    assert set(SGLANG_BUDGET_ARGS) == set(MEMORY_PROFILES) == set(VLLM_BUDGET_ARGS)
+
+
+@pytest.mark.parametrize("name,cls", [("embedded", EmbeddedEngine), ("sglang", SGLangEngine),
+                                      ("vllm", VLLMEngine), ("external", ExternalEngine)])
+def test_get_engine(name: str, cls: type) -> None:
+    engine = get_engine(name)
+    assert isinstance(engine, cls) and engine.name == name
+
+
+def test_unknown_engine_lists_choices() -> None:
+    with pytest.raises(ConfigError, match=r"unknown engine 'tgi'.*\['embedded', 'external', 'sglang', 'vllm'\]"):
+        get_engine("tgi")
+
+
+@pytest.mark.parametrize("profile", sorted(MEMORY_PROFILES))
+def test_sglang_command_per_profile(profile: str) -> None:
+    spec = WorkerSpec(engine="sglang", model=MODEL, port=30000, memory_profile=profile)
+    cmd = SGLangEngine().launch_command(spec, 30000)
+    assert cmd == [*SGLANG_BASE, *SGLANG_BUDGET_ARGS[profile], "--enable-metrics"]
+    assert SGLangEngine().launch_env(spec) == {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
+
+
+def test_sglang_command_with_every_option() -> None:
+    spec = WorkerSpec(engine="sglang", model=MODEL, memory_profile="ci-gpu", python="/venvs/sgl/bin/python",
+                      memory=MemoryBudget(max_total_tokens=20480, max_running_requests=8),
+                      speculative_num_draft_tokens=4, api_key="k", extra_args=["--tp", "2"],
+                      env={"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "0", "X": "1"})
+    assert SGLangEngine().launch_command(spec, 31000) == [
+        "/venvs/sgl/bin/python", "-m", "sglang.launch_server", "--model-path", MODEL, "--host", "127.0.0.1",
+        "--port", "31000", "--mem-fraction-static", "0.6", "--cuda-graph-backend-prefill", "disabled",
+        "--max-total-tokens", "20480", "--max-running-requests", "8", "--cuda-graph-max-bs", "32",
+        "--enable-metrics", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+        "--api-key", "k", "--tp", "2"]
+    # the user's env wins over the engine's
+    assert SGLangEngine().launch_env(spec) == {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "0", "X": "1"}
+
+
+def test_sglang_without_metrics() -> None:
+    spec = WorkerSpec(engine="sglang", model=MODEL, memory_profile="h100", enable_metrics=False)
+    assert "--enable-metrics" not in SGLangEngine().launch_command(spec, 30000)
+    assert SGLangEngine().launch_env(spec) == {}
+
+
+@pytest.mark.parametrize("profile", sorted(MEMORY_PROFILES))
+def test_vllm_command_per_profile(profile: str) -> None:
+    spec = WorkerSpec(engine="vllm", model=MODEL, memory_profile=profile)
+    assert VLLMEngine().launch_command(spec, 8000) == [
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8000", *VLLM_BUDGET_ARGS[profile]]
+    env = VLLMEngine().launch_env(spec)
+    expected_env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if profile == "vllm-cpu":
+        expected_env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+    assert env == expected_env
+
+
+def test_vllm_command_with_python_and_options() -> None:
+    spec = WorkerSpec(engine="vllm", model=MODEL, memory_profile="ci-gpu", python="/venvs/vllm/bin/python",
+                      speculative_num_draft_tokens=3, api_key="k", extra_args=["--enforce-eager"])
+    assert VLLMEngine().launch_command(spec, 8000) == [
+        "/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
+        "--host", "127.0.0.1", "--port", "8000", "--gpu-memory-utilization", "0.6", "--max-model-len", "4096",
+        "--max-num-seqs", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--api-key", "k", "--enforce-eager"]
+
+
+def test_embedded_command() -> None:
+    spec = WorkerSpec(engine="embedded", model="tiny-random", memory_profile="cpu-small",
+                      speculative_num_draft_tokens=4, api_key="secret", extra_args=["--dtype", "float32"])
+    assert EmbeddedEngine().launch_command(spec, 30001) == [
+        sys.executable, "-m", "servegate", "worker", "--model", "tiny-random", "--host", "127.0.0.1",
+        "--port", "30001", "--max-total-tokens", "16384", "--max-running-requests", "16", "--enable-metrics",
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", "--api-key", "secret",
+        "--dtype", "float32"]
+    assert EmbeddedEngine().launch_env(spec) == {}
+
+
+def test_external_launches_nothing() -> None:
+    spec = WorkerSpec(engine="external", url="http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="attaches to worker.url"):
+        ExternalEngine().launch_command(spec, 1)
+
+
+def test_engine_protocols_and_metric_names() -> None:
+    assert (SGLangEngine.protocol, EmbeddedEngine.protocol) == ("native", "native")
+    assert (VLLMEngine.protocol, ExternalEngine.protocol) == ("openai", "openai")
+    assert SGLangEngine.readiness_path == EmbeddedEngine.readiness_path == "/health_generate"
+    assert VLLMEngine.readiness_path == "/health"
+    assert SGLangEngine.metric_names["fwd_occupancy"] == "sglang:fwd_occupancy"
+    assert "fwd_occupancy" not in VLLMEngine.metric_names
+    assert VLLMEngine.metric_names["kv_cache_usage"] == "vllm:kv_cache_usage_perc"
+    assert VLLMEngine.metric_names["num_running_reqs"] == "vllm:num_requests_running"
+    assert VLLMEngine.metric_names["num_queue_reqs"] == "vllm:num_requests_waiting"
+    assert "SGLANG_ENABLE_METRICS_DEVICE_TIMER=1" in SGLangEngine.metrics_hint
+
+
+def _state(token_capacity: int | None, per_dp: int | None = 128) -> dict:
+    state: dict = {"last_gen_throughput": 100.0}
+    if token_capacity is not None:
+        state["memory_usage"] = {"weight": 1.0, "kvcache": 0.23, "token_capacity": token_capacity, "graph": 0}
+    if per_dp is not None:
+        state["effective_max_running_requests_per_dp"] = per_dp
+    return state
+
+
+def test_server_info_single_rank_as_sglang_reports_it() -> None:
+    cap = parse_server_info({"max_total_num_tokens": 99999, "max_running_requests": None, "dp_size": 1,
+                             "internal_states": [_state(20480)], "version": "0.5.0"})
+    assert (cap.token_capacity, cap.max_running_requests) == (20480, 128)
+    assert cap.raw["version"] == "0.5.0"
+
+
+def test_server_info_sums_token_capacity_over_dp_ranks() -> None:
+    cap = parse_server_info({"dp_size": 2, "internal_states": [_state(20000, 64), _state(21000, 64)]})
+    assert cap.token_capacity == 41000
+    assert cap.max_running_requests == 128  # 64 per DP rank * dp_size 2
+
+
+def test_server_info_fallbacks() -> None:
+    cap = parse_server_info({"max_total_num_tokens": 5000, "max_running_requests": 48,
+                             "internal_states": [_state(None, None)]})
+    assert (cap.token_capacity, cap.max_running_requests) == (5000, 48)
+    # one rank without memory_usage: the sum would be wrong, so fall back
+    cap = parse_server_info({"max_total_num_tokens": 7000, "internal_states": [_state(3000), _state(None)]})
+    assert cap.token_capacity == 7000
+
+
+def test_server_info_without_capacity_is_inf() -> None:
+    cap = parse_server_info({"version": "x"})
+    assert math.isinf(cap.token_capacity) and math.isinf(cap.max_running_requests)
+    cap = parse_server_info({"max_running_requests": None, "internal_states": "garbage"})
+    assert math.isinf(cap.token_capacity) and math.isinf(cap.max_running_requests)
