@@ -1,0 +1,431 @@
+"""Validate the stage tables with Great Expectations 1.x suites loaded from ``expectations/``.
+
+One JSON file per profile (``expectations/<profile>.json``) holds one suite per table::
+
+    {"profile": "smoke", "description": "...",
+     "suites": {"serving_summary": {"expectations": [
+         {"type": "expect_column_values_to_be_between",
+          "kwargs": {"column": "failed", "max_value": 0},
+          "meta": {"source": "...", "measured": null, "noise": null, "hardware": "...", "date": "..."}}]}}}
+
+``kwargs`` are GX's own (``row_condition`` in GX 1.x Condition form, e.g.
+``{"type": "comparison", "column": {"name": "status"}, "operator": "==", "parameter": "skipped"}``).
+Every expectation must name its ``meta.source``: a threshold is data with a provenance.
+
+Outcomes, one per expectation (``ExpectationOutcome.success``):
+
+- ``True`` / ``False``: GX evaluated it on the table;
+- ``None`` with ``table_produced=False``: the table is not in ``tables`` (stage disabled,
+  not applicable, or failed); the verdict decides what that means;
+- ``None`` with ``table_produced=True``: the table is there but cannot be judged — it is
+  empty, lacks a column the suite names, or GX raised; an infra problem, never a breach.
+
+GX is imported lazily (it takes ~2.5 s) and one ephemeral context is built per process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from servegate.errors import ValidationSetupError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import great_expectations as gx
+
+__all__ = [
+    "KNOWN_TABLES",
+    "ExpectationSpec",
+    "TableSuiteSpec",
+    "SuiteFile",
+    "ExpectationOutcome",
+    "resolve_expectations_dir",
+    "allowed_text",
+    "read_suite_file",
+    "load_suites",
+    "validate_tables",
+]
+
+KNOWN_TABLES = ("one_batch", "serving_requests", "serving_summary", "occupancy_samples", "occupancy_summary")
+"""Tables a suite may name (docs/contracts.md "Tables"). Add a name here when a stage adds a table."""
+
+TABLE_NOT_PRODUCED = "table not produced"
+_INDEX_KEY = "_servegate_index"  # matches GX results back to suite order (GX reorders them)
+_COLUMN_KWARGS = ("column", "column_A", "column_B")
+
+
+# ---- suite file format --------------------------------------------------------------------
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExpectationSpec(_Spec):
+    """One expectation as written in a suite file."""
+
+    type: str = Field(description="GX expectation type, e.g. expect_column_values_to_be_between")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="GX kwargs (column, min_value, row_condition, ...)")
+    meta: dict[str, Any] = Field(description="provenance: source (required), measured, noise, hardware, date")
+
+
+class TableSuiteSpec(_Spec):
+    """The expectations for one table."""
+
+    expectations: list[ExpectationSpec] = Field(description="checked in this order")
+
+
+class SuiteFile(_Spec):
+    """``expectations/<profile>.json``."""
+
+    profile: str = Field(description="must equal the file's stem")
+    description: str | None = Field(None, description="what this profile gates and on which hardware")
+    suites: dict[str, TableSuiteSpec] = Field(description="table name -> its suite")
+
+
+# ---- outcome ------------------------------------------------------------------------------
+class ExpectationOutcome(BaseModel):
+    """The result of one expectation on one table."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    table: str = Field(description="table the expectation is about")
+    expectation_type: str = Field(description="GX expectation type")
+    column: str | None = Field(None, description="column checked (column_A,column_B for pair checks; None for table checks)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the expectation's kwargs as written in the suite")
+    success: bool | None = Field(description="True/False when evaluated; None when it could not be (see reason)")
+    table_produced: bool = Field(description="False when the table was absent from the tables given")
+    reason: str | None = Field(None, description="why success is None")
+    observed: Any = Field(None, description="observed value, or {unexpected_count, element_count, unexpected_values}, "
+                                            "or {missing_values} for *_to_contain_set")
+    allowed: str = Field(description="human-readable allowed range, e.g. '>= 50' or 'in [measured, skipped]'")
+    meta: dict[str, Any] = Field(default_factory=dict, description="provenance from the suite file (source, measured, ...)")
+
+
+# ---- GX context (one per process) -----------------------------------------------------------
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _gx() -> Any:
+    """Import GX once, quietly (no analytics, no deprecation noise from its imports)."""
+    if "gx" not in _state:
+        os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import great_expectations as gx
+
+        _state["gx"] = gx
+    return _state["gx"]
+
+
+def _context() -> Any:
+    """The process-wide ephemeral GX context with one pandas data source, progress bars off."""
+    with _lock:
+        if "context" not in _state:
+            gx = _gx()
+            from great_expectations.data_context.types.base import ProgressBarsConfig
+
+            ctx = gx.get_context(mode="ephemeral")
+            ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
+            _state["context"] = ctx
+            _state["datasource"] = ctx.data_sources.add_pandas("servegate")
+            _state["batch_definitions"] = {}
+        return _state["context"]
+
+
+def _batch_definition(table: str) -> Any:
+    _context()
+    with _lock:
+        bds: dict[str, Any] = _state["batch_definitions"]
+        if table not in bds:
+            asset = _state["datasource"].add_dataframe_asset(table)
+            bds[table] = asset.add_batch_definition_whole_dataframe(f"{table}-whole")
+        return bds[table]
+
+
+# ---- loading suites -------------------------------------------------------------------------
+def resolve_expectations_dir(expectations_dir: Path | str | None = None) -> Path:
+    """Where suites live: the argument, else ``$SERVEGATE_EXPECTATIONS_DIR``, else the repo's expectations/."""
+    if expectations_dir is not None:
+        return Path(expectations_dir)
+    env = os.environ.get("SERVEGATE_EXPECTATIONS_DIR")
+    if env:
+        return Path(env)
+    import servegate
+
+    return Path(servegate.__file__).resolve().parent.parent / "expectations"
+
+
+def _available(directory: Path) -> list[str]:
+    return sorted(p.stem for p in directory.glob("*.json")) if directory.is_dir() else []
+
+
+def read_suite_file(profile: str, expectations_dir: Path | str | None = None) -> tuple[Path, SuiteFile]:
+    """Read and check ``<dir>/<profile>.json`` without building GX objects."""
+    directory = resolve_expectations_dir(expectations_dir)
+    path = directory / f"{profile}.json"
+    if not path.is_file():
+        raise ValidationSetupError(
+            f"expectation suite {path} does not exist; choose a profile with a suite file "
+            f"({_available(directory) or 'none found'}) or set SERVEGATE_EXPECTATIONS_DIR / validate.expectations_dir")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValidationSetupError(f"{path} is not valid JSON ({exc}); fix the file, see expectations/README.md") \
+            from exc
+    try:
+        suite_file = SuiteFile.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise ValidationSetupError(
+            f"{path} does not match the suite format ({problems}); valid top-level keys: profile, description, "
+            f"suites; each expectation: type, kwargs, meta (see expectations/README.md)") from exc
+    if suite_file.profile != profile:
+        raise ValidationSetupError(f"{path} declares profile {suite_file.profile!r}; it must equal the file name "
+                                   f"{profile!r}")
+    for table, spec in suite_file.suites.items():
+        if table not in KNOWN_TABLES:
+            raise ValidationSetupError(f"{path}: unknown table {table!r}; valid tables: {list(KNOWN_TABLES)}")
+        for i, exp in enumerate(spec.expectations):
+            source = exp.meta.get("source")
+            if not isinstance(source, str) or not source.strip():
+                raise ValidationSetupError(
+                    f"{path}: suites.{table}.expectations[{i}] ({exp.type}) has no meta.source; every threshold "
+                    f"needs one (a measured value with hardware/date, a cited CI test, or 'provisional: ...')")
+    return path, suite_file
+
+
+def _build_suite(path: Path, profile: str, table: str, spec: TableSuiteSpec, *, with_index: bool) -> Any:
+    gx = _gx()
+    from great_expectations.exceptions import GreatExpectationsError
+    from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
+    from great_expectations.expectations.registry import list_registered_expectation_implementations
+
+    _context()  # GX objects expect a context to exist
+    suite = gx.ExpectationSuite(name=f"{profile}.{table}")
+    for i, exp in enumerate(spec.expectations):
+        meta = dict(exp.meta)
+        if with_index:
+            meta[_INDEX_KEY] = i
+        where = f"{path}: suites.{table}.expectations[{i}] ({exp.type})"
+        try:
+            suite.add_expectation_configuration(ExpectationConfiguration(type=exp.type, kwargs=dict(exp.kwargs),
+                                                                         meta=meta))
+        except GreatExpectationsError as exc:
+            known = list_registered_expectation_implementations()
+            close = difflib.get_close_matches(exp.type, known, n=3)
+            hint = f"did you mean {close}?" if close else f"valid types include {sorted(known)[:12]} ..."
+            raise ValidationSetupError(f"{where}: {exc}; {hint}") from exc
+        except (ValueError, TypeError) as exc:  # GX's pydantic v1 ValidationError is a ValueError
+            raise ValidationSetupError(f"{where}: invalid kwargs {exp.kwargs}: {exc}") from exc
+    return suite
+
+
+def load_suites(profile: str, expectations_dir: Path | None = None) -> dict[str, "gx.ExpectationSuite"]:
+    """Load ``expectations/<profile>.json`` as one GX ExpectationSuite per table.
+
+    Raises ValidationSetupError when the file is missing, is not JSON, does not follow the
+    format, names an unknown table or expectation type, or has invalid kwargs.
+    """
+    path, suite_file = read_suite_file(profile, expectations_dir)
+    return {table: _build_suite(path, profile, table, spec, with_index=False)
+            for table, spec in suite_file.suites.items()}
+
+
+# ---- outcome extraction ---------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """JSON-friendly python value: numpy scalars unwrapped, NaN -> None, tuples -> lists."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    if value is pd.NaT or value is pd.NA:
+        return None
+    return value
+
+
+def _condition_text(cond: Any) -> str | None:
+    if cond is None:
+        return None
+    if isinstance(cond, str):
+        return cond
+    if isinstance(cond, dict):
+        kind = cond.get("type")
+        if kind == "comparison":
+            return f"{cond['column']['name']} {cond['operator']} {cond['parameter']!r}"
+        if kind == "nullity":
+            return f"{cond['column']['name']} is {'null' if cond.get('is_null', True) else 'not null'}"
+        if kind in ("and", "or"):
+            return f" {kind} ".join(filter(None, (_condition_text(c) for c in cond.get("conditions", []))))
+        if kind == "pass_through":
+            return str(cond.get("pass_through_filter"))
+    return str(cond)
+
+
+def _num(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def allowed_text(expectation_type: str, kwargs: dict[str, Any]) -> str:
+    """What the expectation allows, for people: '>= 50', '> 95', 'in [measured, skipped]', 'not null'."""
+    lo, hi = kwargs.get("min_value"), kwargs.get("max_value")
+    if lo is not None or hi is not None:
+        lo_op = ">" if kwargs.get("strict_min") else ">="
+        hi_op = "<" if kwargs.get("strict_max") else "<="
+        if lo is not None and hi is not None:
+            text = f"{lo_op} {_num(lo)} and {hi_op} {_num(hi)}"
+        elif lo is not None:
+            text = f"{lo_op} {_num(lo)}"
+        else:
+            text = f"{hi_op} {_num(hi)}"
+    elif "value_set" in kwargs:
+        values = ", ".join(str(v) for v in kwargs["value_set"])
+        if "not_be_in_set" in expectation_type:
+            text = f"not in [{values}]"
+        elif expectation_type.endswith("_to_contain_set"):
+            text = f"contains [{values}]"
+        elif expectation_type.endswith("_to_equal_set"):
+            text = f"exactly [{values}]"
+        else:
+            text = f"in [{values}]"
+    elif expectation_type.endswith("_not_be_null"):
+        text = "not null"
+    elif expectation_type.endswith("_to_be_null"):
+        text = "null"
+    elif expectation_type == "expect_column_pair_values_a_to_be_greater_than_b":
+        op = ">=" if kwargs.get("or_equal") else ">"
+        text = f"{kwargs.get('column_A')} {op} {kwargs.get('column_B')}"
+    elif expectation_type == "expect_column_to_exist":
+        text = "column exists"
+    else:
+        shown = {k: v for k, v in kwargs.items() if k not in ("column", "row_condition", "condition_parser", "meta")}
+        text = ", ".join(f"{k}={v}" for k, v in shown.items()) or expectation_type
+    mostly = kwargs.get("mostly")
+    if mostly is not None and mostly < 1:
+        text += f" for at least {mostly:.0%} of rows"
+    cond = _condition_text(kwargs.get("row_condition"))
+    if cond:
+        text += f" where {cond}"
+    return text
+
+
+def _column_label(kwargs: dict[str, Any]) -> str | None:
+    if "column" in kwargs:
+        return str(kwargs["column"])
+    if "column_A" in kwargs or "column_B" in kwargs:
+        return f"{kwargs.get('column_A')},{kwargs.get('column_B')}"
+    if "column_list" in kwargs:
+        return ",".join(str(c) for c in kwargs["column_list"])
+    return None
+
+
+def _columns_needed(kwargs: dict[str, Any]) -> list[str]:
+    cols = [str(kwargs[k]) for k in _COLUMN_KWARGS if k in kwargs]
+    cols += [str(c) for c in kwargs.get("column_list", [])]
+
+    def walk(cond: Any) -> None:
+        if isinstance(cond, dict):
+            if isinstance(cond.get("column"), dict) and "name" in cond["column"]:
+                cols.append(str(cond["column"]["name"]))
+            for sub in cond.get("conditions", []):
+                walk(sub)
+
+    walk(kwargs.get("row_condition"))
+    return cols
+
+
+def _observed(result: dict[str, Any], df: pd.DataFrame, kwargs: dict[str, Any]) -> Any:
+    if "observed_value" in result:
+        if result["observed_value"] is None and result.get("partial_missing_list"):
+            # expect_column_distinct_values_to_contain_set reports what is missing, not what is there
+            return {"missing_values": _plain(result["partial_missing_list"])}
+        return _plain(result["observed_value"])
+    # One-row tables (the summaries): the value itself says more than counts do.
+    column = kwargs.get("column")
+    if len(df) == 1 and column is not None and "row_condition" not in kwargs and column in df.columns:
+        return _plain(df[column].iloc[0])
+    if "unexpected_count" in result:
+        return {"unexpected_count": _plain(result.get("unexpected_count")),
+                "element_count": _plain(result.get("element_count")),
+                "unexpected_values": _plain(result.get("partial_unexpected_list", []))}
+    return _plain(result) or None
+
+
+def _outcome(table: str, spec: ExpectationSpec, *, success: bool | None, produced: bool,
+             reason: str | None = None, observed: Any = None) -> ExpectationOutcome:
+    return ExpectationOutcome(table=table, expectation_type=spec.type, column=_column_label(spec.kwargs),
+                              kwargs=spec.kwargs, success=success, table_produced=produced, reason=reason,
+                              observed=observed, allowed=allowed_text(spec.type, spec.kwargs), meta=spec.meta)
+
+
+def _validate_table(path: Path, profile: str, table: str, spec: TableSuiteSpec,
+                    df: pd.DataFrame) -> list[ExpectationOutcome]:
+    if len(df) == 0:
+        reason = f"table {table!r} is empty (0 rows): insufficient data to judge; check why the stage measured nothing"
+        return [_outcome(table, e, success=None, produced=True, reason=reason) for e in spec.expectations]
+
+    outcomes: dict[int, ExpectationOutcome] = {}
+    runnable: list[int] = []
+    for i, exp in enumerate(spec.expectations):
+        missing = [c for c in _columns_needed(exp.kwargs) if c not in df.columns]
+        if missing:
+            outcomes[i] = _outcome(table, exp, success=None, produced=True,
+                                   reason=f"column(s) {missing} missing from table {table!r}; the stage's output "
+                                          f"does not match docs/contracts.md (or the suite names a wrong column)")
+        else:
+            runnable.append(i)
+
+    if runnable:
+        subset = TableSuiteSpec(expectations=[spec.expectations[i] for i in runnable])
+        suite = _build_suite(path, profile, table, subset, with_index=True)
+        batch = _batch_definition(table).get_batch(batch_parameters={"dataframe": df})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            result = batch.validate(suite, result_format="SUMMARY")
+        for r in result.results:
+            original = runnable[r.expectation_config.meta[_INDEX_KEY]]
+            exp = spec.expectations[original]
+            info = r.exception_info or {}
+            if info.get("raised_exception"):
+                outcomes[original] = _outcome(table, exp, success=None, produced=True,
+                                              reason=f"GX could not evaluate it: {info.get('exception_message')}")
+                continue
+            outcomes[original] = _outcome(table, exp, success=bool(r.success), produced=True,
+                                          observed=_observed(dict(r.result or {}), df, exp.kwargs))
+    return [outcomes[i] for i in range(len(spec.expectations))]
+
+
+def validate_tables(tables: dict[str, pd.DataFrame], profile: str,
+                    expectations_dir: Path | None = None) -> list[ExpectationOutcome]:
+    """Validate each table against its suite in ``expectations/<profile>.json``.
+
+    Returns one outcome per expectation, in suite-file order. A suite whose table is not in
+    ``tables`` yields outcomes with ``success=None, table_produced=False,
+    reason="table not produced"``; a present but empty table yields ``success=None`` with an
+    "insufficient data" reason. Tables without a suite are not validated. Raises
+    ValidationSetupError for a missing or malformed suite file.
+    """
+    path, suite_file = read_suite_file(profile, expectations_dir)
+    outcomes: list[ExpectationOutcome] = []
+    for table, spec in suite_file.suites.items():
+        df = tables.get(table)
+        if df is None:
+            outcomes += [_outcome(table, e, success=None, produced=False, reason=TABLE_NOT_PRODUCED)
+                         for e in spec.expectations]
+            continue
+        outcomes += _validate_table(path, profile, table, spec, df)
+    return outcomes

@@ -1,0 +1,100 @@
+"""Verdict rules: every branch of decide(), and the two renderings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servegate.validate import TABLE_NOT_PRODUCED, ExpectationOutcome
+from servegate.verdict import Verdict, decide, format_verdict_table, verdict_markdown
+
+
+def outcome(table="serving_summary", column="failed", success=True, produced=True, reason=None,
+            observed=0, allowed="<= 0", source="absolute: no failed requests") -> ExpectationOutcome:
+    return ExpectationOutcome(table=table, expectation_type="expect_column_values_to_be_between", column=column,
+                              kwargs={"column": column, "max_value": 0}, success=success, table_produced=produced,
+                              reason=reason, observed=observed, allowed=allowed, meta={"source": source})
+
+
+def not_produced(table):
+    return outcome(table=table, success=None, produced=False, reason=TABLE_NOT_PRODUCED, observed=None)
+
+
+def test_pass():
+    v = decide([outcome(), outcome(table="occupancy_summary", column="fwd_occupancy_median")], [])
+    assert (v.status, v.exit_code, v.breaches, v.infra_errors) == ("pass", 0, [], [])
+    assert v.summary.passed == 2 and v.summary.expectations == 2
+
+
+def test_fail_lists_every_breach():
+    v = decide([outcome(success=False, observed=3),
+                outcome(column="p90_ttft_ms", success=False, observed=1500.0, allowed="<= 1000", source="SLO"),
+                outcome(column="completed")], [])
+    assert (v.status, v.exit_code) == ("fail", 1)
+    assert [(b.column, b.observed, b.allowed, b.source) for b in v.breaches] == [
+        ("failed", 3, "<= 0", "absolute: no failed requests"), ("p90_ttft_ms", 1500.0, "<= 1000", "SLO")]
+    assert v.summary.failed == 2 and v.summary.passed == 1
+
+
+def test_infra_error_makes_breaches_inconclusive():
+    v = decide([outcome(success=False, observed=3)], ["worker died during serving: exit -9"])
+    assert (v.status, v.exit_code) == ("inconclusive", 2)
+    assert len(v.breaches) == 1  # still listed
+    assert "not trusted as a regression" in v.reason
+    assert v.infra_errors == ["worker died during serving: exit -9"]
+
+
+def test_failed_stage_is_infra_even_without_message():
+    v = decide([outcome()], [], {"serving": "ok", "occupancy": "failed"})
+    assert v.status == "inconclusive" and v.infra_errors == ["stage occupancy failed"]
+
+
+def test_unevaluated_expectation_on_produced_table_is_infra():
+    v = decide([outcome(), outcome(table="occupancy_summary", column="fwd_occupancy_median", success=None,
+                                   reason="table 'occupancy_summary' is empty (0 rows): insufficient data")], [])
+    assert v.status == "inconclusive" and v.summary.not_evaluated == 1
+    assert "insufficient data" in v.infra_errors[0]
+
+
+def test_missing_required_table_is_inconclusive():
+    v = decide([outcome(), not_produced("occupancy_summary")], [], {"occupancy": "ok"})
+    assert v.status == "inconclusive" and v.not_validated == ["occupancy_summary"] and v.not_applicable == []
+
+
+def test_missing_table_without_stage_status_is_inconclusive():
+    assert decide([outcome(), not_produced("one_batch")], []).status == "inconclusive"
+
+
+@pytest.mark.parametrize("status", ["skipped", "not_applicable"])
+def test_missing_table_of_exempt_stage_passes(status):
+    v = decide([outcome(), not_produced("occupancy_summary")], [], {"serving": "ok", "occupancy": status})
+    assert v.status == "pass" and v.not_applicable == ["occupancy_summary"]
+
+
+def test_breach_beats_missing_table():
+    v = decide([outcome(success=False, observed=1), not_produced("occupancy_summary")], [])
+    assert v.status == "fail"
+
+
+def test_nothing_evaluated_never_passes():
+    v = decide([not_produced("occupancy_summary")], [], {"occupancy": "not_applicable"})
+    assert v.status == "inconclusive" and "does not pass on nothing" in v.reason
+    assert decide([], []).status == "inconclusive"
+
+
+def test_renderings_and_json_roundtrip():
+    v = decide([outcome(success=False, observed={"unexpected_count": 1, "element_count": 3,
+                                                 "unexpected_values": ["failed"]}),
+                not_produced("occupancy_summary")], ["flush | busy"], {"occupancy": "not_applicable"})
+    text = format_verdict_table(v)
+    assert text.startswith("VERDICT: INCONCLUSIVE (exit 2)")
+    assert "serving_summary" in text and "<= 0" in text and "flush | busy" in text
+    assert "occupancy_summary (stage skipped / not applicable)" in text
+    md = verdict_markdown(v)
+    assert "Verdict: **inconclusive**" in md and "- flush | busy" in md
+    assert ("| serving_summary | failed | `expect_column_values_to_be_between` | 1 of 3 rows: ['failed'] | <= 0 |"
+            in md)
+    assert "1 of 3 rows: ['failed']" in text
+    again = Verdict.model_validate(json.loads(v.model_dump_json()))
+    assert again == v and again.exit_code == 2
