@@ -111,7 +111,7 @@ class GateRun:
 
     def skip(self, stage: str, reason: str, status: str = "skipped") -> None:
         self.stages[stage] = StageOutcome(stage, status, error=reason)
-        self._write_stages()
+        self._write_stages(self.stages[stage])
 
     @contextlib.contextmanager
     def stage(self, stage: str) -> Iterator[StageOutcome]:
@@ -128,7 +128,7 @@ class GateRun:
         finally:
             outcome.duration_s = time.perf_counter() - started
             self.stages[stage] = outcome
-            self._write_stages()
+            self._write_stages(outcome)
 
     def _describe_failure(self, stage: str, exc: BaseException) -> str:
         if isinstance(exc, KeyboardInterrupt):
@@ -155,8 +155,12 @@ class GateRun:
         elif partial is not None and hasattr(partial, "requests"):
             self.folder.write_table(f"{name}_requests.partial", partial.requests)
 
-    def _write_stages(self) -> None:
+    def _write_stages(self, latest: StageOutcome) -> None:
+        from servegate.results import StageRecord
+
         self.folder.write_json("stages", {name: o.as_dict() for name, o in self.stages.items()})
+        self.folder.record_stage(StageRecord(stage=latest.stage, status=latest.status, error=latest.error,
+                                             duration_s=latest.duration_s, tables=latest.tables))
 
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:

@@ -15,5 +15,6 @@ def verdict(run: GateRun) -> Verdict:
     result = decide(run.outcomes or [], list(run.infra_errors),
                     {name: o.status for name, o in run.stages.items()})
     run.folder.write_json("verdict", result.model_dump(mode="json"))
+    run.folder.finish()
     publish(run.config.name, "verdict", verdict_markdown(result), description=f"gate verdict: {result.status}")
     return result
