@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--model", default="smollm2-135m", help="model alias (smollm2-135m, tiny-random)")
 
     sub.add_parser("profiles", help="list the shipped gate profiles")
+
+    from servegate import history_cli
+
+    history_cli.add_arguments(sub)  # status, report, baseline
     return parser
 
 
@@ -115,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_model(args)
         if args.command == "profiles":
             return _cmd_profiles(args)
+        if getattr(args, "func", None) is not None:
+            return args.func(args)
     except ConfigError as exc:
         print(f"servegate: error: {exc}", file=sys.stderr)
         return EXIT_UNDECIDED

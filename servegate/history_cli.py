@@ -1,0 +1,237 @@
+"""The release manager's commands: ``status``, ``report``, ``baseline``.
+
+    servegate status [--key PATTERN] [--since 7d|2026-11-30] [--json] [--db URL]
+    servegate report RUN [--out FILE] [--db URL]
+    servegate baseline show KEY [--db URL]
+    servegate baseline pin RUN --reason TEXT [--actor NAME] [--db URL]
+    servegate baseline unpin KEY --reason TEXT [--actor NAME] [--db URL]
+    servegate baseline distribution-change KEY --reason TEXT [--actor NAME] [--db URL]
+
+KEY is ``workload/engine/hardware/model`` (as ``status`` prints it). ``--db`` defaults to
+``$SERVEGATE_DB`` or the SQLite file under ``$SERVEGATE_HOME`` / ``~/.local/share/servegate``.
+
+:func:`add_arguments` adds these subcommands to the main parser's subparsers; each sets
+``func`` (``args -> exit code``), and handlers raise ``ServegateError`` for the caller to
+print. ``python -m servegate.history_cli ...`` runs them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from servegate.errors import ConfigError, ServegateError
+
+__all__ = ["add_arguments", "status_rows", "format_status", "main"]
+
+EXIT_OK, EXIT_ERROR = 0, 2
+
+
+def _db_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", metavar="URL", help="history database: SQLAlchemy URL or SQLite path "
+                                                    "(default $SERVEGATE_DB or ~/.local/share/servegate/history.db)")
+
+
+def add_arguments(subparsers: Any) -> None:
+    """Add ``status``, ``report`` and ``baseline`` to ``subparsers`` (from ``add_subparsers``)."""
+    status = subparsers.add_parser("status", help="latest verdict per gate key, with what failed and by how much",
+                                   description="One line per gate key: the latest verdict, when, against which "
+                                               "baseline, the failing metrics with their ratios, attempts.")
+    status.add_argument("--key", action="append", default=[], metavar="PATTERN",
+                        help="only keys matching: a full key, a leading part (smoke, smoke/embedded) or a "
+                             "wildcard (*/sglang/*); repeatable")
+    status.add_argument("--since", metavar="WHEN", help="only runs started since: 7d, 12h, 30m or an ISO date")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _db_arg(status)
+    status.set_defaults(func=cmd_status)
+
+    report = subparsers.add_parser("report", help="write a run's self-contained HTML report")
+    report.add_argument("run", metavar="RUN", help="a recorded run id (see `servegate status --json`)")
+    report.add_argument("--out", metavar="FILE", help="output file (default <run folder>/report.html)")
+    _db_arg(report)
+    report.set_defaults(func=cmd_report)
+
+    baseline = subparsers.add_parser("baseline", help="show, pin, unpin a gate's baseline; mark a distribution change")
+    actions = baseline.add_subparsers(dest="baseline_action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="the baseline runs a new run of KEY would be compared with, and the log")
+    show.add_argument("key", metavar="KEY", help="workload/engine/hardware/model")
+    _db_arg(show)
+    show.set_defaults(func=cmd_baseline_show)
+    pin = actions.add_parser("pin", help="make RUN the baseline of its gate key until unpinned")
+    pin.add_argument("run", metavar="RUN")
+    unpin = actions.add_parser("unpin", help="return KEY to its baseline policy (last N passing runs)")
+    unpin.add_argument("key", metavar="KEY")
+    change = actions.add_parser("distribution-change",
+                                help="mark an intentional shift for KEY: the baseline restarts after now")
+    change.add_argument("key", metavar="KEY")
+    for parser, func in ((pin, cmd_baseline_pin), (unpin, cmd_baseline_unpin), (change, cmd_baseline_change)):
+        parser.add_argument("--reason", required=True, help="why (recorded with who and when)")
+        parser.add_argument("--actor", help="who (default $SERVEGATE_ACTOR or $USER)")
+        _db_arg(parser)
+        parser.set_defaults(func=func)
+
+
+def _store(args: argparse.Namespace) -> Any:
+    from servegate.store import Store
+
+    return Store(args.db)
+
+
+# ---- status -------------------------------------------------------------------------------
+def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> list[dict[str, Any]]:
+    """One dict per gate key: latest verdict, when, baseline, failing metrics, breaches, attempts."""
+    latest = store.latest(since=since)
+    rows = []
+    for key, rec in latest.items():
+        if patterns and not any(key.matches(p) for p in patterns):
+            continue
+        comparison = store.tables(rec.run_id, ["comparison"]).get("comparison")
+        failing, baseline = [], None
+        if comparison is not None and not comparison.empty:
+            first = comparison.iloc[0]
+            runs = [x for x in str(first["baseline_runs"] or "").split(",") if x and x != "nan"]
+            baseline = {"policy": first["baseline_policy"], "run_ids": runs}
+            for r in comparison[comparison["decision"] == "regression"].itertuples(index=False):
+                failing.append({"metric": r.metric, "case": r.case or None, "ratio": r.ratio,
+                                "ci_low": r.ci_low, "ci_high": r.ci_high, "bound": r.bound})
+        breaches = [b for b in rec.verdict.get("breaches") or []
+                    if not (failing and b.get("table") == "comparison")]
+        report = None
+        if rec.run_dir and (Path(rec.run_dir) / "report.html").is_file():
+            report = str(Path(rec.run_dir) / "report.html")
+        attempts = store.attempts(rec.run_id)
+        rows.append({"key": str(key), "status": rec.status, "run_id": rec.run_id,
+                     "started_at": rec.started_at.isoformat(), "recorded_at": rec.recorded_at.isoformat(),
+                     "attempts": len(attempts), "attempt_statuses": [a.status for a in attempts],
+                     "baseline": baseline, "failing": failing, "breaches": breaches,
+                     "infra_errors": rec.verdict.get("infra_errors") or [], "report": report})
+    return rows
+
+
+def _ratio_text(f: dict[str, Any]) -> str:
+    case = f"[{f['case']}]" if f.get("case") else ""
+    return f"{f['metric']}{case} x{f['ratio']:.3g} (CI {f['ci_low']:.3g}-{f['ci_high']:.3g})"
+
+
+def format_status(rows: Sequence[dict[str, Any]]) -> str:
+    """The human form of :func:`status_rows`: one line per key, details indented under it."""
+    if not rows:
+        return "no gate runs recorded (run `servegate run`, which records to the history database)"
+    width = max(len(r["key"]) for r in rows)
+    lines = []
+    for r in rows:
+        when = r["started_at"][:16].replace("T", " ") + " UTC"
+        attempts = f"attempt {r['attempts']} ({'/'.join(r['attempt_statuses'])})" if r["attempts"] > 1 else "1 attempt"
+        if r["baseline"]:
+            base = f"vs {r['baseline']['policy']} ({len(r['baseline']['run_ids'])} run(s))"
+        else:
+            base = "no baseline comparison"
+        lines.append(f"{r['key']:<{width}}  {r['status'].upper():<12} {when}  {r['run_id']}  {attempts}  {base}")
+        problems = [_ratio_text(f) for f in r["failing"]]
+        problems += [f"{b.get('table')}.{b.get('column') or b.get('expectation')}: observed {b.get('observed')}, "
+                     f"allowed {b.get('allowed')}" for b in r["breaches"]]
+        problems += [f"infra: {str(e).splitlines()[0]}" for e in r["infra_errors"]]
+        for p in problems:
+            lines.append(f"{'':<{width}}    - {p}")
+        if r["report"]:
+            lines.append(f"{'':<{width}}    report: {r['report']}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from servegate.store import parse_since
+
+    since = parse_since(args.since) if args.since else None
+    with _store(args) as store:
+        rows = status_rows(store, args.key, since)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        print(format_status(rows))
+    return EXIT_OK
+
+
+# ---- report -------------------------------------------------------------------------------
+def cmd_report(args: argparse.Namespace) -> int:
+    from servegate.report import write_report
+
+    with _store(args) as store:
+        path = write_report(store, args.run, args.out)
+    print(f"report: {path}")
+    return EXIT_OK
+
+
+# ---- baseline -----------------------------------------------------------------------------
+def _key(text: str) -> Any:
+    from servegate.store import GateKey
+
+    return GateKey.parse(text)
+
+
+def cmd_baseline_show(args: argparse.Namespace) -> int:
+    from servegate.baseline import active_pin, resolve_baseline
+
+    key = _key(args.key)
+    with _store(args) as store:
+        if key not in store.keys():
+            raise ConfigError(f"no run of gate {key} is recorded; known keys: {[str(k) for k in store.keys()]}")
+        baseline = resolve_baseline(store, key)
+        pinned = active_pin(store, key)
+        print(f"{key}: baseline {baseline.policy}: {', '.join(baseline.run_ids) or 'none'}")
+        if baseline.reason:
+            print(f"  note: {baseline.reason}")
+        if pinned:
+            print(f"  pinned by {pinned['actor']} at {pinned['at']:%Y-%m-%d %H:%M} UTC: {pinned['reason']}")
+        for a in store.baseline_actions(key):
+            target = f" {a['run_id']}" if a["run_id"] else ""
+            print(f"  {a['at']:%Y-%m-%d %H:%M} UTC  {a['action']}{target}  by {a['actor']}: {a['reason']}")
+    return EXIT_OK
+
+
+def cmd_baseline_pin(args: argparse.Namespace) -> int:
+    from servegate.baseline import pin
+
+    with _store(args) as store:
+        pin(store, args.run, reason=args.reason, actor=args.actor)
+        print(f"pinned {args.run} as the baseline of {store.get_run(args.run).key}")
+    return EXIT_OK
+
+
+def cmd_baseline_unpin(args: argparse.Namespace) -> int:
+    from servegate.baseline import unpin
+
+    key = _key(args.key)
+    with _store(args) as store:
+        unpin(store, key, reason=args.reason, actor=args.actor)
+    print(f"unpinned {key}: its baseline policy applies again")
+    return EXIT_OK
+
+
+def cmd_baseline_change(args: argparse.Namespace) -> int:
+    from servegate.baseline import mark_distribution_change
+
+    key = _key(args.key)
+    with _store(args) as store:
+        mark_distribution_change(store, key, reason=args.reason, actor=args.actor)
+    print(f"marked a distribution change for {key}: later runs start a new baseline")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the history commands alone (``python -m servegate.history_cli``)."""
+    parser = argparse.ArgumentParser(prog="servegate", description="servegate history commands")
+    add_arguments(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ServegateError as exc:
+        print(f"servegate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

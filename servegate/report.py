@@ -1,0 +1,448 @@
+"""What a release manager and a CI page read: the HTML report, a JUnit file, a markdown summary.
+
+- :func:`write_report` — one self-contained HTML file per run (no scripts, no external files;
+  plots are inline SVG drawn with matplotlib's object API, no pyplot global state): the verdict,
+  the breaches, the comparison with the baseline, one-batch latency vs batch size, serving
+  TTFT/ITL CDFs against the baseline, occupancy over time, and each gated metric's nightly trend
+  with its baseline band (baseline value x [1 - bound, 1 + bound]).
+  Every plot is a ``<figure class="plot" data-plot="NAME">`` holding one ``<svg>``; a plot
+  without data is a figure with ``data-empty="why"`` and a sentence instead.
+- :func:`write_junit` — one ``<testcase>`` per expectation; breaches are ``<failure>``,
+  expectations that could not be evaluated are ``<skipped>``, infra errors are ``<error>``.
+- :func:`write_markdown_summary` — the verdict, breaches and comparison as markdown (for a CI
+  job summary or a Prefect markdown artifact).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from servegate.baseline import BaselinePolicy
+from servegate.compare import GATED_METRICS, GatedMetric, compare_run, extract_samples
+from servegate.errors import ConfigError
+from servegate.store import RunRecord, Store
+
+__all__ = [
+    "PLOT_NAMES",
+    "render_report",
+    "build_report",
+    "write_report",
+    "write_junit",
+    "write_markdown_summary",
+    "failing_rows",
+]
+
+PLOT_NAMES = ("one_batch_latency", "serving_ttft_cdf", "serving_itl_cdf", "occupancy_over_time")
+"""Fixed plots of every report; trend plots are named ``trend:<metric>`` (one per compared metric)."""
+
+_TREND_RUNS = 30
+_STATUS_COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "inconclusive": "#9a6700"}
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    return obj.model_dump(mode="json") if hasattr(obj, "model_dump") else dict(obj)
+
+
+# ---- plots --------------------------------------------------------------------------------
+def _figure(width: float = 6.4, height: float = 3.4) -> Any:
+    import matplotlib
+
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: smaller files, searchable
+    from matplotlib.figure import Figure
+
+    # A fixed layout: constrained layout draws every figure twice (half the report's build time).
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=0.13, right=0.97, bottom=0.2, top=0.95)
+    return fig
+
+
+def _svg(fig: Any) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    text = buf.getvalue()
+    return text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG in HTML5
+
+
+def _plot(name: str, title: str, fig: Any | None, empty_reason: str | None = None) -> str:
+    attrs = f'class="plot" data-plot="{html.escape(name)}"'
+    if fig is None:
+        return (f'<figure {attrs} data-empty="{html.escape(empty_reason or "no data")}"><figcaption>'
+                f'{html.escape(title)}</figcaption><p class="empty">No plot: {html.escape(empty_reason or "no data")}'
+                f'</p></figure>')
+    return f"<figure {attrs}><figcaption>{html.escape(title)}</figcaption>{_svg(fig)}</figure>"
+
+
+def _one_batch_plot(df: pd.DataFrame | None) -> str:
+    title = "One batch: latency vs batch size"
+    if df is None or df.empty or "latency" not in df.columns:
+        return _plot("one_batch_latency", title, None, "the one-batch stage produced no table")
+    measured = df[df["status"] == "measured"] if "status" in df.columns else df
+    measured = measured[np.isfinite(pd.to_numeric(measured["latency"], errors="coerce"))]
+    if measured.empty:
+        return _plot("one_batch_latency", title, None, "no one-batch case was measured")
+    fig = _figure()
+    ax = fig.subplots()
+    for (inp, out), g in measured.groupby(["input_len", "output_len"], sort=True):
+        g = g.groupby("batch_size", as_index=False)["latency"].median()
+        ax.plot(g["batch_size"], g["latency"], marker="o", label=f"in={inp}, out={out}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("latency (s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _plot("one_batch_latency", title, fig)
+
+
+def _cdf(ax: Any, values: np.ndarray, label: str, **kw: Any) -> None:
+    xs = np.sort(values)
+    ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=f"{label} (n={xs.size})", **kw)
+
+
+def _cdf_plot(name: str, title: str, metric: GatedMetric, current: Mapping[str, pd.DataFrame],
+              baseline: Sequence[Mapping[str, pd.DataFrame]]) -> str:
+    cur = extract_samples(metric, current).get("")
+    if cur is None:
+        return _plot(name, title, None, f"no {metric.column} samples in {metric.table}")
+    fig = _figure()
+    ax = fig.subplots()
+    base = [extract_samples(metric, t).get("") for t in baseline]
+    base = [b for b in base if b is not None]
+    if base:
+        _cdf(ax, np.concatenate(base), "baseline (pooled)", color="#8c959f")
+    _cdf(ax, cur, "this run", color="#0969da")
+    ax.set_xlabel(f"{metric.column} ({metric.unit})")
+    ax.set_ylabel("fraction of samples")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")
+    return _plot(name, title, fig)
+
+
+def _occupancy_plot(df: pd.DataFrame | None) -> str:
+    title = "Forward occupancy over time"
+    if df is None or df.empty or "fwd_occupancy" not in df.columns:
+        return _plot("occupancy_over_time", title, None, "the occupancy stage produced no samples")
+    fig = _figure()
+    ax = fig.subplots()
+    ax.plot(df["t_s"], df["fwd_occupancy"], marker=".", label="fwd_occupancy (%)")
+    finite = pd.to_numeric(df["fwd_occupancy"], errors="coerce").dropna()
+    if not finite.empty:
+        ax.axhline(float(finite.median()), linestyle="--", color="#8c959f", label=f"median {finite.median():.1f}")
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("forward occupancy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _plot("occupancy_over_time", title, fig)
+
+
+def _trend_plot(rows: Sequence[Mapping[str, Any]], metric: GatedMetric,
+                history: Sequence[tuple[RunRecord, dict[str, Any]]], run_id: str, baseline_ids: set[str]) -> str:
+    """One metric's per-run statistic over the key's runs; one line per case (one-batch grid
+    points), and for a single-case metric the baseline band: baseline value x [1 - bound, 1 + bound]."""
+    name = f"trend:{metric.metric}"
+    title = f"Trend: {metric.metric} ({metric.unit}, {metric.direction.replace('_', ' ')})"
+    fig = _figure(6.4, 2.8)
+    ax = fig.subplots()
+    plotted = False
+    for row in rows:
+        case = row.get("case") or ""
+        points = []
+        for rec, tables in history:
+            values = extract_samples(metric, tables).get(case)
+            if values is not None:
+                points.append((rec.started_at, float(np.quantile(values, metric.quantile)), rec.run_id))
+        if not points:
+            continue
+        plotted = True
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, linewidth=1,
+                label=case or "runs", color=None if case else "#57606a")
+        cur = [(x, y) for x, y, rid in points if rid == run_id]
+        if cur:
+            colour = "#cf222e" if row.get("decision") == "regression" else "#0969da"
+            ax.scatter([cur[0][0]], [cur[0][1]], color=colour, s=50, zorder=4)
+        if len(rows) > 1:
+            continue
+        base = [(x, y) for x, y, rid in points if rid in baseline_ids]
+        if base:
+            ax.scatter([b[0] for b in base], [b[1] for b in base], color="#8c959f", zorder=3, label="baseline runs")
+        value, bound = row.get("baseline_value"), row.get("bound")
+        if value is not None and bound is not None and math.isfinite(value) and math.isfinite(bound):
+            ax.axhspan(value * (1 - bound), value * (1 + bound), color="#2da44e", alpha=0.15,
+                       label=f"baseline ±{bound:.0%}")
+            ax.axhline(value, color="#2da44e", linewidth=1)
+    if not plotted:
+        return _plot(name, title, None, "no run of this gate has this metric")
+    ax.set_ylabel(f"{metric.statistic} ({metric.unit})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", loc="best")
+    fig.autofmt_xdate()
+    return _plot(name, title, fig)
+
+
+# ---- tables -------------------------------------------------------------------------------
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "–"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], css: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        body.append("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>")
+    return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def failing_rows(comparison: pd.DataFrame | None) -> pd.DataFrame:
+    """Comparison rows that regressed."""
+    if comparison is None or comparison.empty:
+        return pd.DataFrame()
+    return comparison[comparison["decision"] == "regression"]
+
+
+def _comparison_table(comparison: pd.DataFrame | None) -> str:
+    if comparison is None or comparison.empty:
+        return "<p>No comparison with a baseline.</p>"
+    rows = []
+    for r in comparison.itertuples(index=False):
+        rows.append([r.metric, r.case, r.unit, r.baseline_value, r.current_value, r.ratio,
+                     f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]", r.n_baseline, r.n_current, f"{r.bound:.0%}",
+                     r.decision, r.reason or ""])
+    table = _html_table(["metric", "case", "unit", "baseline", "current", "ratio", "CI", "n base", "n cur", "bound",
+                         "decision", "note"], rows, "comparison")
+    # Colour regressions without scripts: mark their rows by position.
+    for decision, css in (("regression", "bad"), ("improvement", "good")):
+        table = table.replace(f"<td>{decision}</td>", f'<td class="{css}">{decision}</td>')
+    return table
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem;max-width:70rem;color:#1f2328}
+h1{font-size:1.5rem} h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #d0d7de}
+.verdict{display:inline-block;padding:.2rem .8rem;border-radius:1rem;color:#fff;font-weight:600}
+table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0} td,th{border:1px solid #d0d7de;padding:.2rem .5rem}
+th{background:#f6f8fa} td.bad{color:#cf222e;font-weight:600} td.good{color:#1a7f37}
+figure.plot{display:inline-block;margin:.5rem;vertical-align:top} figure svg{max-width:100%;height:auto}
+figcaption{font-weight:600;font-size:.9rem} p.empty{color:#57606a;font-style:italic}
+dl{display:grid;grid-template-columns:max-content auto;gap:.1rem 1rem} dt{font-weight:600}
+"""
+
+
+def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: Mapping[str, pd.DataFrame],
+                  comparison: pd.DataFrame | None = None, baseline: Mapping[str, Any] | None = None,
+                  baseline_tables: Sequence[Mapping[str, pd.DataFrame]] = (),
+                  history: Sequence[tuple[RunRecord, dict[str, Any]]] = (),
+                  provenance: Mapping[str, Any] | None = None, attempts: Sequence[RunRecord] = (),
+                  metrics: Sequence[GatedMetric] = GATED_METRICS) -> str:
+    """The report as one HTML string, from data already in memory (no store needed)."""
+    status = str(verdict.get("status", "unknown"))
+    colour = _STATUS_COLOURS.get(status, "#57606a")
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>servegate {html.escape(run_id)}"
+             f"</title><style>{_CSS}</style></head><body>",
+             f"<h1>servegate report — {html.escape(key)}</h1>",
+             f'<p>Run <code>{html.escape(run_id)}</code>: <span class="verdict" id="verdict" '
+             f'style="background:{colour}">{html.escape(status)}</span></p>']
+    info = dict(provenance or {})
+    if baseline:
+        info["baseline"] = f"{baseline.get('policy')}: {', '.join(baseline.get('run_ids') or []) or 'none'}"
+        if baseline.get("reason"):
+            info["baseline note"] = baseline["reason"]
+    if attempts:
+        info["attempts"] = ", ".join(f"#{a.attempt} {a.run_id} ({a.status})" for a in attempts)
+    if info:
+        parts.append("<dl>" + "".join(f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(_fmt(v))}</dd>"
+                                      for k, v in info.items()) + "</dl>")
+
+    parts.append("<h2>Breaches</h2>")
+    breaches = verdict.get("breaches") or []
+    if breaches:
+        parts.append(_html_table(["table", "expectation", "column", "observed", "allowed", "source"],
+                                 [[b.get("table"), b.get("expectation"), b.get("column"), b.get("observed"),
+                                   b.get("allowed"), b.get("source")] for b in breaches], "breaches"))
+    else:
+        parts.append("<p>No expectation was breached.</p>")
+    infra = verdict.get("infra_errors") or []
+    if infra:
+        parts.append("<h2>Infrastructure errors</h2><ul>" + "".join(f"<li>{html.escape(str(e))}</li>" for e in infra)
+                     + "</ul>")
+
+    parts.append("<h2>Comparison with the baseline</h2>")
+    parts.append(_comparison_table(comparison))
+
+    by_metric = {m.metric: m for m in metrics}
+    serving_median = {m.column: m for m in metrics if m.table == "serving_requests" and m.statistic == "median"}
+    parts.append("<h2>This run</h2>")
+    parts.append(_one_batch_plot(tables.get("one_batch")))
+    for column, name, title in (("ttft_ms", "serving_ttft_cdf", "Serving: TTFT distribution (CDF)"),
+                                ("itls_ms", "serving_itl_cdf", "Serving: inter-token latency distribution (CDF)")):
+        metric = serving_median.get(column) or GatedMetric(column, "serving_requests", column, "ms", "lower_is_better",
+                                                           list_column=column == "itls_ms")
+        parts.append(_cdf_plot(name, title, metric, tables, baseline_tables))
+    parts.append(_occupancy_plot(tables.get("occupancy_samples")))
+
+    parts.append("<h2>Nightly trends</h2>")
+    trend_rows = [] if comparison is None else [
+        r for r in comparison.to_dict("records") if r["statistic"] == "median" and r["metric"] in by_metric]
+    if not trend_rows:
+        parts.append("<p>No gated metric to trend.</p>")
+    baseline_ids = set((baseline or {}).get("run_ids") or [])
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for row in trend_rows:
+        grouped.setdefault(row["metric"], []).append(row)
+    for metric_name, rows in grouped.items():
+        parts.append(_trend_plot(rows, by_metric[metric_name], history, run_id, baseline_ids))
+    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts.append(f"<p><small>Generated by servegate on {generated}.</small></p></body></html>")
+    return "\n".join(parts)
+
+
+def build_report(store: Store, run_id: str, *, policy: BaselinePolicy | None = None,
+                 trend_runs: int = _TREND_RUNS) -> str:
+    """The HTML report of a recorded run: its comparison is the recorded ``comparison`` table
+    when the flow stored one, else computed now against the baseline ``policy`` selects."""
+    record = store.get_run(run_id)
+    tables = store.tables(run_id)
+    comparison = tables.pop("comparison", None)
+    if comparison is None or comparison.empty:
+        comparison = compare_run(store, run_id, policy=policy)
+        baseline = dict(comparison.attrs.get("baseline", {}))
+    else:
+        # The comparison the verdict was built on, against the baseline of that moment.
+        first = comparison.iloc[0]
+        baseline = {"policy": first["baseline_policy"],
+                    "run_ids": [x for x in str(first["baseline_runs"] or "").split(",") if x and x != "nan"]}
+    needed = {m.table for m in GATED_METRICS}
+    baseline_tables = [store.tables(rid, needed) for rid in baseline.get("run_ids") or []]
+    history = []
+    for rec in reversed(store.runs(record.key, include_attempts=False)[:trend_runs]):
+        if rec.started_at <= record.started_at or rec.root_id == record.root_id:
+            history.append((rec, store.tables(rec.run_id, needed)))
+    if not any(rec.run_id == record.run_id for rec, _ in history):
+        history.append((record, {k: v for k, v in tables.items() if k in needed}))
+    manifest = record.manifest
+    provenance = {"gate key": str(record.key), "started": record.started_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+                  "branch": record.branch, "git revision": record.git_revision,
+                  "servegate": manifest.get("servegate_version"), "seeds": manifest.get("seeds"),
+                  "host": (manifest.get("host") or {}).get("hostname"), "run folder": record.run_dir}
+    provenance = {k: v for k, v in provenance.items() if v}
+    return render_report(run_id=record.run_id, key=str(record.key), verdict=record.verdict, tables=tables,
+                         comparison=comparison, baseline=baseline, baseline_tables=baseline_tables, history=history,
+                         provenance=provenance, attempts=store.attempts(run_id))
+
+
+def write_report(store: Store, run_id: str, out: str | Path | None = None, *,
+                 policy: BaselinePolicy | None = None) -> Path:
+    """Write the HTML report; default path ``<run folder>/report.html`` (or ``./report-<run>.html``)."""
+    text = build_report(store, run_id, policy=policy)
+    if out is None:
+        run_dir = store.get_run(run_id).run_dir
+        out = Path(run_dir) / "report.html" if run_dir and Path(run_dir).is_dir() else Path(f"report-{run_id}.html")
+    out = Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write the report to {out}: {exc}; pass --out to a writable path") from exc
+    return out
+
+
+# ---- CI outputs ---------------------------------------------------------------------------
+def _case_name(o: Mapping[str, Any]) -> str:
+    kwargs = o.get("kwargs") or {}
+    extra = ""
+    if "value_set" in kwargs:
+        extra = f" in {kwargs['value_set']}"
+    elif "min_value" in kwargs or "max_value" in kwargs:
+        extra = f" {o.get('allowed', '')}"
+    column = f"({o['column']})" if o.get("column") else ""
+    return f"{o.get('expectation_type')}{column}{extra}".strip()
+
+
+def write_junit(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str, Any] | Any],
+                path: str | Path) -> Path:
+    """A JUnit XML file: one ``<testcase>`` per expectation (class = table), ``<failure>`` for a
+    breach, ``<skipped>`` for one that could not be evaluated, plus one ``<error>`` test case per
+    infrastructure error (the run could not decide)."""
+    verdict_d = _as_dict(verdict)
+    outs = [_as_dict(o) for o in outcomes]
+    infra = [str(e) for e in verdict_d.get("infra_errors") or []]
+    suite = ET.Element("testsuite", name="servegate", tests=str(len(outs) + len(infra)),
+                       failures=str(sum(o.get("success") is False for o in outs)), errors=str(len(infra)),
+                       skipped=str(sum(o.get("success") is None for o in outs)))
+    props = ET.SubElement(suite, "properties")
+    ET.SubElement(props, "property", name="verdict", value=str(verdict_d.get("status")))
+    for o in outs:
+        case = ET.SubElement(suite, "testcase", classname=f"servegate.{o.get('table')}", name=_case_name(o))
+        if o.get("success") is False:
+            source = (o.get("meta") or {}).get("source")
+            message = f"observed {o.get('observed')!r}, allowed {o.get('allowed')}"
+            failure = ET.SubElement(case, "failure", message=message, type="regression")
+            failure.text = f"{message}\nsource: {source}"
+        elif o.get("success") is None:
+            ET.SubElement(case, "skipped", message=str(o.get("reason") or "not evaluated"))
+    for i, err in enumerate(infra):
+        case = ET.SubElement(suite, "testcase", classname="servegate.infra", name=f"infra_error_{i + 1}")
+        error = ET.SubElement(case, "error", message=err.splitlines()[0] if err else "infra error", type="infra")
+        error.text = err
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
+def _md_escape(value: Any) -> str:
+    return _fmt(value).replace("|", "\\|").replace("\n", " ")
+
+
+def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str, Any] | Any] = (),
+                           comparison: pd.DataFrame | None = None, *, run_id: str | None = None,
+                           key: str | None = None, report_path: str | Path | None = None,
+                           path: str | Path | None = None) -> str:
+    """The run's summary as markdown (verdict, breaches, regressions, comparison); written to
+    ``path`` when given, always returned (e.g. for ``prefect.artifacts.create_markdown_artifact``)."""
+    verdict_d = _as_dict(verdict)
+    outs = [_as_dict(o) for o in outcomes]
+    status = verdict_d.get("status", "unknown")
+    lines = [f"## servegate: **{status}**" + (f" — `{key}`" if key else "")]
+    if run_id:
+        lines.append(f"Run `{run_id}`" + (f" · [HTML report]({report_path})" if report_path else ""))
+    evaluated = [o for o in outs if o.get("success") is not None]
+    lines.append(f"\n{sum(o.get('success') is True for o in outs)}/{len(evaluated)} expectations met, "
+                 f"{sum(o.get('success') is None for o in outs)} not evaluated.")
+    breaches = verdict_d.get("breaches") or []
+    if breaches:
+        lines += ["\n### Breaches", "| table | expectation | column | observed | allowed | source |",
+                  "|---|---|---|---|---|---|"]
+        fields = ("table", "expectation", "column", "observed", "allowed", "source")
+        lines += ["| " + " | ".join(_md_escape(b.get(f)) for f in fields) + " |" for b in breaches]
+    infra = verdict_d.get("infra_errors") or []
+    if infra:
+        lines += ["\n### Infrastructure errors (could not decide)"] + [f"- {_md_escape(e)}" for e in infra]
+    if comparison is not None and not comparison.empty:
+        lines += ["\n### Comparison with the baseline",
+                  f"Baseline: {_md_escape(comparison['baseline_policy'].iloc[0])}\n",
+                  "| metric | case | baseline | current | ratio | CI | decision |", "|---|---|---|---|---|---|---|"]
+        for r in comparison.itertuples(index=False):
+            mark = "**" if r.decision == "regression" else ""
+            lines.append(f"| {r.metric} | {_md_escape(r.case)} | {_md_escape(r.baseline_value)} | "
+                         f"{_md_escape(r.current_value)} | {mark}{_md_escape(r.ratio)}{mark} | "
+                         f"[{_md_escape(r.ci_low)}, {_md_escape(r.ci_high)}] | {mark}{r.decision}{mark} |")
+    text = "\n".join(lines) + "\n"
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    return text

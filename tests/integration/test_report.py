@@ -1,0 +1,198 @@
+"""The HTML report, JUnit XML and markdown summary from a real history database; the report is
+rendered by a real headless Chromium when one is installed (apt-get install -y chromium)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import xml.etree.ElementTree as ET
+from datetime import timedelta
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from test_store import KEY, T0, run_inputs, synthetic_tables
+
+from servegate.compare import GATED_METRICS, compare_run
+from servegate.report import PLOT_NAMES, write_junit, write_markdown_summary, write_report
+from servegate.store import GateKey, Store
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class _Plots(HTMLParser):
+    """Figures with class 'plot', whether each holds an <svg>, and anything that loads from outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plots: dict[str, dict] = {}
+        self._open: str | None = None
+        self.external: list[str] = []
+        self.scripts = 0
+        self.svg_count = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "figure" and "plot" in (a.get("class") or ""):
+            self._open = a["data-plot"]
+            self.plots[self._open] = {"svg": False, "empty": a.get("data-empty"), "paths": 0}
+        elif tag == "svg":
+            self.svg_count += 1
+            if self._open:
+                self.plots[self._open]["svg"] = True
+        elif tag in ("path", "use") and self._open:
+            self.plots[self._open]["paths"] += 1
+        elif tag == "script":
+            self.scripts += 1
+        for name in ("src", "href"):
+            value = a.get(name) or ""
+            if value.startswith(("http:", "https:", "//", "file:")):
+                self.external.append(value)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "figure":
+            self._open = None
+
+
+@pytest.fixture()
+def history(tmp_path: Path) -> tuple[Store, str, Path]:
+    """Four passing nights, then a night with a 30 % slower decode (recorded as the flow would:
+    compare before recording, the comparison table stored with the run)."""
+    store = Store(str(tmp_path / "history.db"))
+    for i in range(4):
+        store.record_run(**run_inputs(f"night-{i}", started_at=T0 + timedelta(days=i), seed=i))
+    current = synthetic_tables(99, slowdown=1.3, occupancy=80.0)
+    comparison = compare_run(store, current, KEY)
+    run_dir = tmp_path / "runs" / "night-4"
+    run_dir.mkdir(parents=True)
+    inputs = run_inputs("night-4", started_at=T0 + timedelta(days=4), status="fail", seed=99,
+                        tables={**current, "comparison": comparison})
+    store.record_run(**inputs, run_dir=run_dir)
+    yield store, "night-4", run_dir
+    store.close()
+
+
+def test_compare_run_from_the_store_matches_tables_and_first_run_is_insufficient(history) -> None:
+    store, run_id, _ = history
+    by_id = compare_run(store, run_id)
+    recorded = store.table(run_id, "comparison")
+    assert list(by_id["decision"]) == list(recorded["decision"])
+    assert by_id.attrs["baseline"]["run_ids"] == ["night-3", "night-2", "night-1", "night-0"]
+    regressed = set(by_id.loc[by_id["decision"] == "regression", "metric"])
+    assert {"serving.ttft_ms.median", "serving.itl_ms.median", "serving.e2e_latency_ms.median",
+            "occupancy.fwd_occupancy.median"} <= regressed
+    first = GateKey("smoke", "embedded", "cpu", "brand-new-model")
+    fresh = compare_run(store, synthetic_tables(1), first)
+    assert set(fresh.loc[fresh["gated"], "decision"]) == {"insufficient_data"}
+
+
+def test_report_is_self_contained_with_every_plot(history, tmp_path: Path) -> None:
+    store, run_id, run_dir = history
+    path = write_report(store, run_id)
+    assert path == run_dir / "report.html"
+    text = path.read_text(encoding="utf-8")
+    parser = _Plots()
+    parser.feed(text)
+    assert parser.scripts == 0 and parser.external == []
+    for name in PLOT_NAMES:
+        assert parser.plots[name]["svg"] and parser.plots[name]["paths"] > 0, (name, parser.plots.get(name))
+    trends = {n for n in parser.plots if n.startswith("trend:")}
+    medians = {m.metric for m in GATED_METRICS if m.statistic == "median" and m.table != "one_batch"}
+    assert {t.removeprefix("trend:") for t in trends} >= medians
+    assert all(parser.plots[t]["svg"] for t in trends)
+    assert 'id="verdict"' in text and ">fail<" in text
+    assert "contract: no failed requests" in text  # the breach with its source
+    assert '<td class="bad">regression</td>' in text and "baseline ±5%" in text
+    out = write_report(store, run_id, tmp_path / "elsewhere" / "r.html")
+    assert out.is_file()
+
+
+def test_report_without_data_says_why_instead_of_plotting(tmp_path: Path) -> None:
+    with Store(str(tmp_path / "h.db")) as store:
+        tables = {"serving_requests": synthetic_tables(1)["serving_requests"]}
+        store.record_run(**run_inputs("lonely", started_at=T0, tables=tables, status="inconclusive"))
+        text = write_report(store, "lonely", tmp_path / "r.html").read_text()
+    parser = _Plots()
+    parser.feed(text)
+    assert parser.plots["serving_ttft_cdf"]["svg"]
+    assert parser.plots["one_batch_latency"]["empty"] and not parser.plots["one_batch_latency"]["svg"]
+    assert parser.plots["occupancy_over_time"]["empty"]
+    assert "too little history" in text
+
+
+def _run_chromium(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    # Chromium forks helpers; a new session lets a timeout end the whole tree.
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+        raise
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed: apt-get install -y chromium")
+def test_report_renders_in_headless_chromium(history, tmp_path: Path) -> None:
+    from PIL import Image
+
+    store, run_id, _ = history
+    report = write_report(store, run_id, tmp_path / "report.html")
+    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'chrome-profile'}"]
+    dom = _run_chromium([*base, "--dump-dom", report.as_uri()], 90)
+    assert dom.returncode == 0, dom.stderr.decode(errors="replace")[-2000:]
+    parser = _Plots()
+    parser.feed(dom.stdout.decode())
+    source = _Plots()
+    source.feed(report.read_text())
+    assert set(parser.plots) == set(source.plots) and parser.svg_count == source.svg_count
+    assert all(p["svg"] for p in parser.plots.values())
+    shot = tmp_path / "shot.png"
+    res = _run_chromium([*base, f"--screenshot={shot}", "--window-size=1280,4000", "--hide-scrollbars",
+                         report.as_uri()], 90)
+    assert res.returncode == 0 and shot.is_file(), res.stderr.decode(errors="replace")[-2000:]
+    with Image.open(shot) as img:
+        colours = img.convert("RGB").getcolors(maxcolors=1_000_000)
+    assert img.size == (1280, 4000)
+    assert colours is not None and len(colours) > 50  # plots drawn, not a blank page
+
+
+def test_junit_has_one_case_per_expectation_and_failures_for_breaches(tmp_path: Path) -> None:
+    inputs = run_inputs("x", started_at=T0, status="fail")
+    relative = {"table": "comparison", "expectation_type": "expect_column_values_to_not_be_in_set",
+                "column": "decision", "kwargs": {"value_set": ["regression"]}, "success": False,
+                "observed": {"unexpected_values": ["regression"]}, "allowed": "not in [regression]",
+                "meta": {"source": "baseline-relative bound"}}
+    outcomes = inputs["outcomes"] + [relative]
+    verdict = {**inputs["verdict"], "infra_errors": ["occupancy: /metrics missing sglang:fwd_occupancy"]}
+    path = write_junit(verdict, outcomes, tmp_path / "junit" / "servegate.xml")
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuite" and root.get("tests") == "4"
+    assert root.get("failures") == "2" and root.get("skipped") == "1" and root.get("errors") == "1"
+    cases = root.findall("testcase")
+    assert [c.get("classname") for c in cases] == ["servegate.serving_summary", "servegate.occupancy_summary",
+                                                   "servegate.comparison", "servegate.infra"]
+    failure = cases[0].find("failure")
+    assert failure is not None and "observed 3" in failure.get("message") and "no failed requests" in failure.text
+    assert cases[1].find("skipped").get("message") == "table not produced"
+    assert cases[3].find("error").text.startswith("occupancy: /metrics")
+
+
+def test_markdown_summary(history, tmp_path: Path) -> None:
+    store, run_id, _ = history
+    rec = store.get_run(run_id)
+    comparison = store.table(run_id, "comparison")
+    text = write_markdown_summary(rec.verdict, store.outcomes(run_id), comparison, run_id=run_id, key=str(rec.key),
+                                  report_path="report.html", path=tmp_path / "summary.md")
+    assert (tmp_path / "summary.md").read_text() == text
+    assert text.startswith("## servegate: **fail** — `smoke/embedded/cpu/smollm2-135m`")
+    assert "[HTML report](report.html)" in text and "### Breaches" in text
+    assert "| serving.itl_ms.median |  |" in text and "**regression**" in text
