@@ -1,0 +1,223 @@
+"""Forward-occupancy scrape: one long request in the background, ``/metrics`` scraped meanwhile.
+
+``sglang:fwd_occupancy`` is the percent of wall time the scheduler spent in forward passes
+over a window; it reads NaN at each window's start, so NaN samples are dropped. With
+several ranks (one label set per ``tp_rank``/``dp_rank``) the scrape keeps the MIN
+occupancy — one degraded rank stalls the whole batch and must show — and the MAX of token
+usage and running/queued requests. The summary is the median over scrapes.
+
+The page is parsed with ``prometheus_client``'s text parser. Scrapes are paced with
+``threading.Event.wait`` on the request's completion event, so the loop ends the moment the
+request finishes instead of sleeping through a last interval.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import pandas as pd
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from servegate.bench import protocol as proto
+from servegate.config import OccupancyConfig
+from servegate.engines.base import Engine
+from servegate.errors import (
+    InfraError,
+    InsufficientDataError,
+    MetricsError,
+    ServerUnreachableError,
+    StageError,
+)
+
+__all__ = [
+    "SAMPLE_COLUMNS",
+    "OccupancyResult",
+    "parse_metrics_page",
+    "aggregate_scrape",
+    "scrape_metrics",
+    "run_occupancy",
+]
+
+SAMPLE_COLUMNS: Final = ["t_s", "fwd_occupancy", "spec_accept_length", "token_usage", "num_running_reqs",
+                         "num_queue_reqs", "kv_cache_usage"]
+
+# How label sets (ranks) combine into one value per scrape.
+_AGGREGATE: Final[dict[str, Callable[[list[float]], float]]] = {
+    "fwd_occupancy": min,        # a single degraded rank must show
+    "spec_accept_length": min,   # likewise: the worst rank's drafts bound the batch
+    "token_usage": max,
+    "num_running_reqs": max,
+    "num_queue_reqs": max,
+    "kv_cache_usage": max,
+}
+
+
+@dataclass
+class OccupancyResult:
+    samples: pd.DataFrame
+    """``occupancy_samples``: one row per scrape, NaN where a gauge was absent or NaN."""
+    summary: pd.DataFrame
+    """``occupancy_summary``: one row (empty in a partial result attached to an exception)."""
+
+
+def parse_metrics_page(text: str, url: str) -> dict[str, list[float]]:
+    """Sample name -> values over all label sets (NaN kept), from a Prometheus text page."""
+    values: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values.setdefault(sample.name, []).append(float(sample.value))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsError(f"{url} is not a valid Prometheus text page ({exc}); check that the URL is "
+                           f"the server's /metrics endpoint") from exc
+    return values
+
+
+def aggregate_scrape(values: dict[str, list[float]], metric_names: dict[str, str]) -> dict[str, float]:
+    """One scrape -> one value per logical metric (NaN when absent or NaN on every rank)."""
+    out: dict[str, float] = {}
+    for logical, combine in _AGGREGATE.items():
+        name = metric_names.get(logical)
+        finite = [v for v in values.get(name, []) if not math.isnan(v)] if name else []
+        out[logical] = float(combine(finite)) if finite else math.nan
+    return out
+
+
+def scrape_metrics(session: requests.Session, base_url: str, engine: Engine, api_key: str | None = None,
+                   timeout_s: float = 10.0) -> dict[str, list[float]]:
+    """GET ``/metrics`` once (one retry on a connection error: scrapes may retry, measurements not)."""
+    url = base_url.rstrip("/") + "/metrics"
+    for attempt in (1, 2):
+        try:
+            resp = session.get(url, headers=proto.auth_headers(api_key), timeout=timeout_s)
+            break
+        except requests.RequestException as exc:
+            if attempt == 2:
+                raise ServerUnreachableError(f"GET {url} failed twice: {exc}; the server is gone — "
+                                             f"check the worker's log") from exc
+    if resp.status_code == 404:
+        raise MetricsError(f"GET {url} answered 404: metrics are not enabled. {engine.metrics_hint}")
+    if resp.status_code != 200:
+        raise MetricsError(f"GET {url} answered HTTP {resp.status_code}: {resp.text[:300]}. "
+                           f"{engine.metrics_hint}")
+    return parse_metrics_page(resp.text, url)
+
+
+class _LongRequest(threading.Thread):
+    """The background load: one non-streamed generation of ``max_new_tokens`` with ignore_eos."""
+
+    def __init__(self, url: str, body: dict[str, Any], api_key: str | None, timeout_s: float) -> None:
+        super().__init__(name="occupancy-load", daemon=True)
+        self.url, self.body, self.api_key, self.timeout_s = url, body, api_key, timeout_s
+        self.done = threading.Event()
+        self.error: InfraError | None = None
+
+    def run(self) -> None:
+        try:
+            with requests.Session() as http:
+                resp = http.post(self.url, json=self.body, headers=proto.auth_headers(self.api_key),
+                                 timeout=self.timeout_s)
+            if resp.status_code != 200:
+                self.error = StageError(f"the occupancy load request POST {self.url} answered HTTP "
+                                        f"{resp.status_code}: {resp.text[:300]}; check the worker's log")
+        except requests.Timeout as exc:
+            self.error = StageError(f"the occupancy load request did not finish within "
+                                    f"occupancy.request_timeout_s={self.timeout_s}: {exc}")
+        except requests.RequestException as exc:
+            self.error = ServerUnreachableError(f"the occupancy load request POST {self.url} lost the "
+                                                f"server: {exc}; the worker is gone — check its log")
+        finally:
+            self.done.set()
+
+
+def _load_body(engine: Engine, model: str | None, cfg: OccupancyConfig) -> dict[str, Any]:
+    if engine.protocol == "native":
+        return proto.native_generate_body(cfg.prompt, cfg.max_new_tokens, stream=False)
+    return proto.openai_completions_body(model or "", cfg.prompt, cfg.max_new_tokens, stream=False)
+
+
+def _summary(samples: pd.DataFrame, applicable: bool, n_scrapes: int) -> dict[str, Any]:
+    def stat(col: str, fn: Callable[[np.ndarray], float]) -> float:
+        v = samples[col].dropna().to_numpy(dtype=float)
+        return float(fn(v)) if v.size else math.nan
+
+    occ = samples["fwd_occupancy"].dropna()
+    return {
+        "n_samples": int(occ.size) if applicable else int(n_scrapes),
+        "n_scrapes": int(n_scrapes),
+        "fwd_occupancy_applicable": applicable,
+        "fwd_occupancy_median": stat("fwd_occupancy", np.median),
+        "fwd_occupancy_min": stat("fwd_occupancy", np.min),
+        "spec_accept_length_median": stat("spec_accept_length", np.median),
+        "token_usage_max": stat("token_usage", np.max),
+        "num_running_reqs_max": stat("num_running_reqs", np.max),
+        "num_queue_reqs_max": stat("num_queue_reqs", np.max),
+        "kv_cache_usage_max": stat("kv_cache_usage", np.max),
+    }
+
+
+def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: str | None = None, *,
+                  session: requests.Session | None = None) -> OccupancyResult:
+    """Scrape ``/metrics`` every ``cfg.scrape_interval_s`` while one long request runs.
+
+    Raises ``MetricsError`` (with ``engine.metrics_hint``) when ``/metrics`` is missing or
+    malformed or the occupancy gauge never appears; ``InsufficientDataError`` when fewer than
+    ``cfg.min_samples`` scrapes had a non-NaN occupancy. An engine without an occupancy gauge
+    (no ``fwd_occupancy`` in ``engine.metric_names``, e.g. vLLM) gets the other gauges and
+    ``fwd_occupancy_applicable=False`` instead of an error. Exceptions raised after scraping
+    started carry the samples so far as ``exc.partial`` (an ``OccupancyResult``).
+    """
+    base_url = base_url.rstrip("/")
+    own_session = session is None
+    http = session or requests.Session()
+    applicable = "fwd_occupancy" in engine.metric_names
+    rows: list[dict[str, float]] = []
+    seen: set[str] = set()  # logical metrics whose sample name appeared on some page
+    n_scrapes = 0
+
+    def partial() -> OccupancyResult:
+        return OccupancyResult(pd.DataFrame(rows, columns=SAMPLE_COLUMNS), pd.DataFrame())
+
+    try:
+        # Fail before loading the server when metrics are not served at all.
+        first = scrape_metrics(http, base_url, engine, api_key)
+        seen.update(k for k, name in engine.metric_names.items() if name in first)
+        model = proto.fetch_model_name(http, base_url, api_key) if engine.protocol == "openai" else None
+        load = _LongRequest(proto.generate_url(base_url, engine.protocol), _load_body(engine, model, cfg),
+                            api_key, cfg.request_timeout_s)
+        t0 = time.perf_counter()
+        load.start()
+        while not load.done.wait(cfg.scrape_interval_s):
+            values = scrape_metrics(http, base_url, engine, api_key)
+            n_scrapes += 1
+            seen.update(k for k, name in engine.metric_names.items() if name in values)
+            rows.append({"t_s": time.perf_counter() - t0, **aggregate_scrape(values, engine.metric_names)})
+        load.join()
+        if load.error is not None:
+            raise load.error
+        samples = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
+        if applicable and "fwd_occupancy" not in seen:
+            raise MetricsError(f"{base_url}/metrics has no {engine.metric_names['fwd_occupancy']} gauge "
+                               f"in {n_scrapes + 1} scrapes. {engine.metrics_hint}")
+        summary = _summary(samples, applicable, n_scrapes)
+        if summary["n_samples"] < cfg.min_samples:
+            what = "non-NaN fwd_occupancy samples" if applicable else "scrapes"
+            raise InsufficientDataError(
+                f"{summary['n_samples']} {what} from {base_url}/metrics (need occupancy.min_samples="
+                f"{cfg.min_samples}) over a {n_scrapes}-scrape run; raise occupancy.max_new_tokens or "
+                f"lower occupancy.scrape_interval_s so the request outlasts more scrapes")
+        return OccupancyResult(samples=samples, summary=pd.DataFrame([summary]))
+    except InfraError as exc:
+        if not hasattr(exc, "partial"):
+            exc.partial = partial()  # type: ignore[attr-defined]
+        raise
+    finally:
+        if own_session:
+            http.close()

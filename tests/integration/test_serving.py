@@ -1,0 +1,181 @@
+"""The serving load generator against the simulated server (real sockets, real SSE streams)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from servegate.bench.serving import REQUEST_COLUMNS, arrival_schedule, run_serving
+from servegate.config import ServingConfig
+from servegate.engines import SGLangEngine, VLLMEngine
+from servegate.errors import InsufficientDataError, ServerUnreachableError
+
+from sim_server import SimServer, SimState, free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+ENGINES = [SGLangEngine(), VLLMEngine()]
+SUMMARY_COLUMNS = ["completed", "failed", "duration_s", "request_throughput", "input_throughput",
+                   "output_throughput", "total_input_tokens", "total_output_tokens", "goodput",
+                   "dispatch_lag_p50_ms", "dispatch_lag_p99_ms", "client_fell_behind", "arrival_ks_pvalue"] + [
+    f"{s}_{m}_ms" for s in ("mean", "median", "std", "p90", "p95", "p99")
+    for m in ("ttft", "tpot", "itl", "e2e_latency")]
+
+
+@pytest.fixture
+def sim():
+    with SimServer(SimState(prefill_delay_s=0.01, per_token_delay_s=0.004)) as server:
+        yield server
+
+
+def _cfg(**kw) -> ServingConfig:
+    base = {"num_prompts": 12, "random_input_len": 32, "random_output_len": 6, "random_range_ratio": 0.5,
+            "arrival": "all-at-once", "progress": False}
+    return ServingConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
+def test_serving_rows_and_summary(sim: SimServer, engine) -> None:
+    res = run_serving(sim.base_url, engine, _cfg(slo_ttft_ms=10_000.0))
+    req, summary = res.requests, res.summary
+    assert list(req.columns) == REQUEST_COLUMNS and len(req) == 12
+    assert set(SUMMARY_COLUMNS) <= set(summary.columns) and len(summary) == 1
+    assert req["success"].all() and req["error"].isna().all()
+    # Token counts come from the server and match the plan (token ids sent, ignore_eos).
+    assert (req["input_tokens"] == req["planned_input_tokens"]).all()
+    assert (req["output_tokens"] == req["planned_output_tokens"]).all()
+    for _, r in req.iterrows():
+        n_out = r["output_tokens"]
+        assert len(r["itls_ms"]) == n_out - 1
+        assert r["tpot_ms"] == pytest.approx((r["e2e_latency_ms"] - r["ttft_ms"]) / (n_out - 1))
+        assert r["ttft_ms"] >= 10.0  # the sim's prefill delay
+    s = summary.iloc[0]
+    assert s["completed"] == 12 and s["failed"] == 0 and s["connection_errors"] == 0
+    assert s["total_output_tokens"] == req["output_tokens"].sum()
+    assert s["goodput"] == pytest.approx(s["request_throughput"])  # a 10 s TTFT SLO: every request is good
+    assert s["mean_itl_ms"] >= 4.0  # the sim's decode step
+    assert math.isnan(s["arrival_ks_pvalue"])  # not Poisson
+    assert res.meta["protocol"] == engine.protocol and res.meta["num_prompts"] == 12
+    # One body per request, streamed, ignore_eos, token ids (no tokenizer on the client).
+    body = sim.state.bodies[0]
+    assert body["stream"] is True
+    if engine.protocol == "native":
+        assert isinstance(body["input_ids"][0], int) and body["sampling_params"]["ignore_eos"] is True
+    else:
+        assert isinstance(body["prompt"][0], int) and body["ignore_eos"] is True
+        assert body["model"] == "sim-model"
+
+
+def test_poisson_arrivals_follow_the_schedule(sim: SimServer) -> None:
+    # Seed 4: its 29 planned gaps have mean 48.9 ms and KS p = 0.997 against Exponential(20),
+    # so only a client that fails to keep the schedule can make the test below reject.
+    rate = 20.0
+    cfg = _cfg(num_prompts=30, random_output_len=2, arrival="poisson", request_rate=rate, seed=4)
+    res = run_serving(sim.base_url, SGLangEngine(), cfg)
+    req = res.requests
+    np.testing.assert_array_equal(req["scheduled_send_s"], arrival_schedule(30, "poisson", rate, 4))
+    assert (req["dispatched_s"] >= req["scheduled_send_s"] - 1e-3).all()
+    gaps = np.diff(np.sort(req["dispatched_s"]))
+    planned = np.diff(req["scheduled_send_s"])
+    assert gaps.mean() == pytest.approx(planned.mean(), abs=0.005)
+    assert planned.mean() == pytest.approx(1 / rate, rel=0.2)
+    s = res.summary.iloc[0]
+    assert s["arrival_ks_pvalue"] > 0.01  # the client produced Poisson arrivals at the target rate
+    assert s["client_fell_behind"] == bool(s["dispatch_lag_p99_ms"] > cfg.max_dispatch_lag_p99_ms)
+    # The server saw the same arrival process.
+    arrivals = np.diff(np.array(sim.state.arrivals))
+    assert arrivals.mean() == pytest.approx(planned.mean(), abs=0.015)
+
+
+def test_constant_arrivals(sim: SimServer) -> None:
+    res = run_serving(sim.base_url, VLLMEngine(), _cfg(num_prompts=8, arrival="constant", request_rate=40.0))
+    req = res.requests
+    np.testing.assert_allclose(req["scheduled_send_s"], np.arange(8) / 40.0)
+    assert (req["dispatch_lag_ms"] > -1.0).all()
+    assert math.isnan(res.summary.iloc[0]["arrival_ks_pvalue"])
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
+def test_max_concurrency_is_respected(sim: SimServer, engine) -> None:
+    res = run_serving(sim.base_url, engine, _cfg(num_prompts=12, max_concurrency=3, random_output_len=8))
+    assert sim.state.peak_active == 3  # reached, never exceeded
+    req = res.requests
+    assert req["success"].all()
+    assert (req["queue_wait_ms"] > 5.0).sum() >= 6  # later requests waited for a slot...
+    assert (req["dispatch_lag_ms"] < 500.0).all()   # ...which is back-pressure, not dispatch lag
+
+
+def test_without_a_cap_all_requests_are_in_flight_together(sim: SimServer) -> None:
+    run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=8, random_output_len=12, random_range_ratio=1.0))
+    assert sim.state.peak_active == 8
+
+
+def test_openai_without_continuous_usage_counts_chunks(sim: SimServer) -> None:
+    sim.state.openai_continuous_usage = False
+    res = run_serving(sim.base_url, VLLMEngine(), _cfg(num_prompts=4))
+    req = res.requests
+    assert (req["output_tokens"] == req["planned_output_tokens"]).all()  # from the final usage chunk
+    assert all(len(r["itls_ms"]) == r["output_tokens"] - 1 for _, r in req.iterrows())
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
+def test_all_requests_rejected_is_insufficient_data_with_partial(sim: SimServer, engine) -> None:
+    sim.state.generate_status = 503
+    with pytest.raises(InsufficientDataError, match="all 12 requests failed") as info:
+        run_serving(sim.base_url, engine, _cfg())
+    partial = info.value.partial.requests
+    assert len(partial) == 12 and not partial["success"].any()
+    assert (partial["error_kind"] == "http").all() and partial["error"].str.contains("503").all()
+
+
+def test_unreachable_server_raises_with_partial() -> None:
+    with pytest.raises(ServerUnreachableError, match="failed to connect") as info:
+        run_serving(f"http://127.0.0.1:{free_port()}", SGLangEngine(), _cfg(num_prompts=3))
+    partial = info.value.partial.requests
+    assert len(partial) == 3 and (partial["error_kind"] == "connection").all()
+
+
+def test_cut_streams_are_failed_requests(sim: SimServer) -> None:
+    sim.state.cut_stream_after_tokens = 2
+    with pytest.raises(InsufficientDataError) as info:
+        run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=3, random_output_len=8,
+                                                       random_range_ratio=1.0))
+    partial = info.value.partial.requests
+    assert (partial["error_kind"] == "stream").all()
+    assert partial["error"].str.contains("before \\[DONE\\] after 2 tokens").all()
+
+
+def test_server_gone_mid_run_records_errors() -> None:
+    sim = SimServer(SimState(prefill_delay_s=0.005, per_token_delay_s=0.002)).start()
+    stopper = threading.Timer(0.35, sim.stop)
+    try:
+        stopper.start()
+        res = run_serving(sim.base_url, SGLangEngine(),
+                          _cfg(num_prompts=10, arrival="constant", request_rate=10.0, random_output_len=4))
+    finally:
+        stopper.join()
+        sim.stop()
+    req, s = res.requests, res.summary.iloc[0]
+    assert req["success"].iloc[0] and not req["success"].iloc[-1]
+    assert s["completed"] >= 2 and s["failed"] >= 4
+    assert s["connection_errors"] == s["failed"]
+    assert (req.loc[~req["success"], "error_kind"] == "connection").all()
+
+
+def test_sharegpt_file_with_server_counted_prompts(sim: SimServer, tmp_path: Path) -> None:
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": " ".join(["w"] * (3 + i))},
+                                                   {"from": "gpt", "value": "answer"}]} for i in range(5)]))
+    res = run_serving(sim.base_url, SGLangEngine(),
+                      _cfg(dataset="sharegpt", dataset_path=str(path), num_prompts=5, random_output_len=3))
+    req = res.requests
+    assert req["planned_input_tokens"].isna().all()  # text prompts: the client does not tokenize
+    # The sim counts one token per word; the table takes the server's count.
+    assert sorted(req["input_tokens"].tolist()) == [3, 4, 5, 6, 7]
+    assert isinstance(sim.state.bodies[0]["text"], str)
+    assert (req["output_tokens"] == 3).all()
