@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from servegate.errors import ConfigError, ServegateError
+from servegate.errors import ConfigError, InfraError, ServegateError
 
 __all__ = ["main", "build_parser"]
 
@@ -31,6 +31,8 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Prefect's ephemeral API server needs ~8-14 s on 2 busy cores; its 20 s default is too tight.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +79,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from servegate.flows.gate import regression_gate
     from servegate.verdict import Verdict, format_verdict_table
 
-    result = regression_gate(config)
+    try:
+        result = regression_gate(config)
+    except RuntimeError as exc:
+        if "Prefect" not in str(exc):
+            raise
+        raise InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`, or raise "
+                         f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a loaded machine.") from exc
     verdict = Verdict.model_validate(result["verdict"])
     if args.json:
         print(json.dumps({**result["verdict"], "run_dir": result["run_dir"]}, indent=2))

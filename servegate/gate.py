@@ -61,6 +61,7 @@ class GateRun:
         self.infra_errors: list[str] = []
         self.outcomes: list[Any] | None = None  # ExpectationOutcome list once validated
         self.started_at = time.time()
+        self.closed = False  # True once the gate stopped the worker on purpose
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -109,6 +110,13 @@ class GateRun:
                 return f"the flush before {stage} failed: {flushed.error}"
         return None
 
+    def check_worker(self, stage: str) -> None:
+        """A stage that ran while the worker died measured a dying server: infra, not data."""
+        if self.worker is not None and not self.closed and not self.worker.is_alive():
+            raise WorkerDiedError(
+                f"the worker exited (code {self.worker.returncode}) during {stage}; its measurements are kept in "
+                f"{self.path} but not trusted. Log tail:\n{self.worker.log_tail(20)}")
+
     def skip(self, stage: str, reason: str, status: str = "skipped") -> None:
         self.stages[stage] = StageOutcome(stage, status, error=reason)
         self._write_stages(self.stages[stage])
@@ -120,6 +128,7 @@ class GateRun:
         started = time.perf_counter()
         try:
             yield outcome
+            self.check_worker(stage)
         except BaseException as exc:
             outcome.status = "failed"
             outcome.error = self._describe_failure(stage, exc)
@@ -136,7 +145,8 @@ class GateRun:
         message = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, ServegateError):
             message = f"internal error ({message}); this is a servegate bug, please report it with the run folder"
-        if self.worker is not None and not isinstance(exc, WorkerDiedError) and not self.worker.is_alive():
+        if (self.worker is not None and not self.closed and not isinstance(exc, WorkerDiedError)
+                and not self.worker.is_alive()):
             message += (f"\nThe worker exited during {stage} (code {self.worker.returncode}); "
                         f"log tail:\n{self.worker.log_tail(20)}")
         return message
@@ -165,6 +175,7 @@ class GateRun:
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:
         """End the worker's whole process tree. Safe to call more than once."""
+        self.closed = True
         if self.worker is not None:
             try:
                 self.worker.stop()

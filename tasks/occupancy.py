@@ -23,6 +23,8 @@ def occupancy(run: GateRun) -> int:
         return 0
     with run.stage(STAGE) as outcome:
         result = run_occupancy(run.base_url, run.engine, run.config.occupancy, api_key=run.api_key)
+        # The accept-length floor applies only to gates that turn speculative decoding on.
+        result.summary["speculative_decoding"] = run.config.worker.speculative_num_draft_tokens is not None
         run.save_table("occupancy_samples", result.samples, outcome)
         run.save_table("occupancy_summary", result.summary, outcome)
     publish(run.config.name, STAGE, "# occupancy\n\n" + table_markdown(result.summary.T.reset_index()))
