@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     from servegate import history_cli
 
     history_cli.add_arguments(sub)  # status, report, baseline
+    from servegate import engine_install
+
+    engine_install.add_arguments(sub)  # engine install NAME, engine path NAME
     return parser
 
 

