@@ -11,10 +11,12 @@ from prefect import flow
 
 from servegate.config import GateConfig
 from servegate.gate import GateRun
+from servegate.tasks.compare import compare
 from servegate.tasks.flush import flush
 from servegate.tasks.launch import launch
 from servegate.tasks.occupancy import occupancy
 from servegate.tasks.one_batch import one_batch
+from servegate.tasks.record import record
 from servegate.tasks.serving import serving
 from servegate.tasks.validate import validate
 from servegate.tasks.verdict import verdict
@@ -38,6 +40,8 @@ def regression_gate(config: GateConfig) -> dict[str, Any]:
             measure(run, return_state=True)
     finally:
         run.close()
+    compare(run, return_state=True)
     validate(run, return_state=True)
     result = verdict(run)
+    record(run, result, return_state=True)
     return {"verdict": result.model_dump(mode="json"), "run_dir": str(run.path)}

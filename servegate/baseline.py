@@ -134,7 +134,8 @@ def resolve_baseline(store: Store, key: GateKey, policy: BaselinePolicy | None =
                                                   f"`servegate baseline pin RUN --reason ...`")
 
     candidates = [r for r in store.runs(key, include_attempts=False)
-                  if r.status == "pass" and r.root_id not in excluded and r.run_id not in excluded]
+                  if (r.status == "pass" or bool((r.verdict or {}).get("baseline_eligible")))
+                  and r.root_id not in excluded and r.run_id not in excluded]
     if policy.branch is not None:
         candidates = [r for r in candidates if r.branch == policy.branch]
     if change is not None:

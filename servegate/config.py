@@ -27,6 +27,9 @@ __all__ = [
     "ServingConfig",
     "OccupancyConfig",
     "ValidateConfig",
+    "CompareConfig",
+    "StoreConfig",
+    "ReportConfig",
     "GateConfig",
     "PROFILES_DIR",
     "available_profiles",
@@ -211,6 +214,32 @@ class ValidateConfig(_Model):
     expectations_dir: str | None = Field(None, description="default: the project's expectations/")
 
 
+class CompareConfig(_Model):
+    """Noise-aware comparison with the gate key's baseline (history in the store).
+
+    Off in ``smoke`` so that a fresh clone's first gate can pass; a nightly profile turns it
+    on, and then too little history is *inconclusive*, never a pass.
+    """
+
+    enabled: bool = False
+    policy: Literal["last_n", "pinned", "window"] = Field("last_n", description="how the baseline is chosen")
+    n: int = Field(5, ge=1, description="last_n: how many passing runs")
+    branch: str | None = Field(None, description="last_n: reference branch (None = any)")
+    days: float | None = Field(None, gt=0, description="window: how many days back")
+    bound: float = Field(0.05, gt=0, lt=1, description="minimum effect size on medians (0.05 = 5 %)")
+    tail_bound: float = Field(0.10, gt=0, lt=1, description="minimum effect size on p99 tails")
+
+
+class StoreConfig(_Model):
+    enabled: bool = Field(True, description="record every run in the history database")
+    url: str | None = Field(None, description="SQLAlchemy URL or SQLite path; default $SERVEGATE_DB or "
+                                              "~/.local/share/servegate/history.db")
+
+
+class ReportConfig(_Model):
+    html: bool = Field(True, description="write report.html into the run folder (matplotlib plots)")
+
+
 class GateConfig(_Model):
     name: str = Field("smoke", description="gate name (part of the gate key)")
     hardware: str = Field("cpu", description="hardware profile (part of the gate key)")
@@ -221,6 +250,9 @@ class GateConfig(_Model):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     occupancy: OccupancyConfig = Field(default_factory=OccupancyConfig)
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    compare: CompareConfig = Field(default_factory=CompareConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
     output_dir: str = Field("runs", description="run folders are created under this folder")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)

@@ -62,6 +62,7 @@ class GateRun:
         self.outcomes: list[Any] | None = None  # ExpectationOutcome list once validated
         self.started_at = time.time()
         self.closed = False  # True once the gate stopped the worker on purpose
+        self.attempt_of: str | None = None  # the recorded run this one re-runs (servegate rerun)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -75,6 +76,9 @@ class GateRun:
     @property
     def path(self) -> Path:
         return Path(self.folder.path)
+
+    def config_snapshot(self) -> dict[str, Any]:
+        return self.config.model_dump(mode="json", by_alias=True)
 
     @property
     def base_url(self) -> str:

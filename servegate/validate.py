@@ -55,7 +55,8 @@ __all__ = [
     "validate_tables",
 ]
 
-KNOWN_TABLES = ("one_batch", "serving_requests", "serving_summary", "occupancy_samples", "occupancy_summary")
+KNOWN_TABLES = ("one_batch", "serving_requests", "serving_summary", "occupancy_samples", "occupancy_summary",
+                "comparison", "quality_accuracy", "quality_items", "quality_agreement", "quality_agreement_rows")
 """Tables a suite may name (docs/contracts.md "Tables"). Add a name here when a stage adds a table."""
 
 TABLE_NOT_PRODUCED = "table not produced"

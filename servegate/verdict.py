@@ -46,6 +46,11 @@ TABLE_STAGE: dict[str, str] = {
     "serving_summary": "serving",
     "occupancy_samples": "occupancy",
     "occupancy_summary": "occupancy",
+    "comparison": "compare",
+    "quality_accuracy": "quality",
+    "quality_items": "quality",
+    "quality_agreement": "quality",
+    "quality_agreement_rows": "quality",
 }
 """The stage that produces each table (stage names as in StageRecord.stage)."""
 
@@ -90,6 +95,10 @@ class Verdict(_Record):
     not_applicable: list[str] = Field(default_factory=list,
                                       description="of not_validated: tables whose stage was skipped or not applicable")
     summary: VerdictSummary = Field(description="counts over all expectations")
+    baseline_eligible: bool = Field(False, description=(
+        "the run may serve as a baseline: every absolute check passed and nothing broke; true for a pass, "
+        "and for a run that is inconclusive only because the relative checks lacked history (so a new "
+        "gate key can build its history)"))
 
     @property
     def exit_code(self) -> int:
@@ -117,7 +126,15 @@ def decide(outcomes: list[ExpectationOutcome], infra_errors: list[str],
         if status == "failed" and not any(stage in e for e in errors):
             errors.append(f"stage {stage} failed")
 
-    breaches = [_breach(o) for o in outcomes if o.success is False]
+    # An expectation whose meta says ``"failure_means": "insufficient_data"`` (e.g. "every gated
+    # comparison has enough history") cannot show a regression when it fails, only that the gate
+    # could not decide: it counts with the infra errors, never as a breach.
+    insufficient = [o for o in outcomes if o.success is False and o.meta.get("failure_means") == "insufficient_data"]
+    for o in insufficient:
+        errors.append(f"insufficient data: {o.table}.{o.column or ''} {o.expectation_type} failed "
+                      f"({observed_text(o.observed)}); {o.meta.get('source', '')}")
+    breaches = [_breach(o) for o in outcomes if o.success is False and o not in insufficient]
+    only_history_missing = bool(insufficient) and len(errors) == len(insufficient)
     passed = sum(1 for o in outcomes if o.success is True)
     unevaluated = [o for o in outcomes if o.success is None and o.table_produced]
     for o in unevaluated:
@@ -151,8 +168,9 @@ def decide(outcomes: list[ExpectationOutcome], infra_errors: list[str],
         reason = f"all {passed} evaluated expectation(s) met"
         if exempt:
             reason += f" ({exempt} skipped or not applicable)"
+    eligible = status == "pass" or (only_history_missing and not unevaluated and not breaches and not required_missing)
     return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=errors,
-                   not_validated=missing_tables, not_applicable=exempt, summary=summary)
+                   not_validated=missing_tables, not_applicable=exempt, summary=summary, baseline_eligible=eligible)
 
 
 def _cell(value: Any, width: int = 40) -> str:

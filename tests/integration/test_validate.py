@@ -68,9 +68,27 @@ def occupancy_summary_table(occ: float = 97.0, accept: float | None = None) -> p
                           "speculative_decoding": accept is not None}])
 
 
+def comparison_table(decisions=("no_change", "improvement", "report_only"), gated=(True, True, False)):
+    return pd.DataFrame({"metric": [f"m{i}" for i in range(len(decisions))], "decision": list(decisions),
+                         "gated": list(gated), "ratio": [1.0] * len(decisions)})
+
+
 def passing_tables() -> dict[str, pd.DataFrame]:
     return {"one_batch": one_batch_table(), "serving_requests": serving_requests_table(),
-            "serving_summary": serving_summary_table(), "occupancy_summary": occupancy_summary_table()}
+            "serving_summary": serving_summary_table(), "occupancy_summary": occupancy_summary_table(),
+            "comparison": comparison_table()}
+
+
+def test_comparison_regression_fails_and_missing_history_is_inconclusive():
+    tables = passing_tables()
+    tables["comparison"] = comparison_table(("regression", "no_change", "report_only"), (True, True, False))
+    verdict = decide(validate_tables(tables, "smoke"), [])
+    assert verdict.status == "fail" and [b.column for b in verdict.breaches] == ["decision"]
+    tables["comparison"] = comparison_table(("insufficient_data", "insufficient_data"), (True, False))
+    verdict = decide(validate_tables(tables, "smoke"), [])
+    assert verdict.status == "inconclusive" and verdict.breaches == []
+    assert any("insufficient data" in e for e in verdict.infra_errors)
+    assert verdict.baseline_eligible  # so that a new gate key can build its history
 
 
 def write_suite(directory: Path, profile: str, suites: dict) -> Path:
