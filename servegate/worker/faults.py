@@ -1,0 +1,146 @@
+"""Fault-injection switches of the embedded worker: test instruments, off by default.
+
+Each switch is a command-line flag ``--fault-<name>`` and an environment variable
+``SERVEGATE_FAULT_<NAME>`` (the flag wins). They exist so that every failure path of
+the gate can be exercised against a real worker process:
+
+``decode_delay_ms``
+    Sleep this long after every decode step, *outside* the forward pass: host overhead
+    grows, so throughput drops and ``sglang:fwd_occupancy`` falls.
+``decode_slowdown_pct``
+    Make every forward pass P percent slower (sleep P% of its measured duration *inside*
+    the timed forward window): throughput drops while occupancy stays high, like slower
+    kernels.
+``crash_after_requests``
+    ``os._exit(1)`` right after the N-th completed user request (``/generate`` and the
+    OpenAI routes; ``/health_generate`` does not count) has been answered.
+``flush_busy_s``
+    Every flush request sees the worker as busy for S seconds from the moment it
+    arrives: ``/flush_cache?timeout=T`` answers 200 after ~S s when T >= S, and 400 after
+    T s otherwise (at once when T = 0).
+``occupancy``
+    ``nan``: ``sglang:fwd_occupancy`` is always NaN; ``absent``: the gauge is not exported.
+``startup_oom``
+    The worker SIGKILLs itself during start-up, before it is ready (what the OOM killer does).
+``error_rate``
+    Answer this fraction of generate requests with HTTP 500, drawn from a seeded RNG
+    (seed ``SERVEGATE_FAULT_SEED``, default 0) so a run is reproducible.
+``cut_stream_after_tokens``
+    Streaming responses are cut (connection closed without the final chunk or
+    ``data: [DONE]``) once N tokens have been sent.
+``corrupt_logits``
+    Rotate the logits by one vocabulary position before sampling and before log-probs
+    are computed: output is fluent-looking garbage and log-probs are wrong (quality stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from servegate.errors import ConfigError
+
+__all__ = ["FaultConfig", "add_fault_arguments", "faults_from_args", "ENV_PREFIX"]
+
+ENV_PREFIX = "SERVEGATE_FAULT_"
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """The active faults; the defaults inject nothing."""
+
+    decode_delay_ms: float = 0.0
+    decode_slowdown_pct: float = 0.0
+    crash_after_requests: int | None = None
+    flush_busy_s: float = 0.0
+    occupancy: Literal["nan", "absent"] | None = None
+    startup_oom: bool = False
+    error_rate: float = 0.0
+    cut_stream_after_tokens: int | None = None
+    corrupt_logits: bool = False
+    seed: int = 0
+
+    def active(self) -> dict[str, Any]:
+        """The switches that differ from their defaults (for logs and server info)."""
+        default = FaultConfig()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name) and f.name != "seed"}
+
+
+def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``--fault-*`` flags (defaults None so the environment can fill in)."""
+    group = parser.add_argument_group("fault injection (test instruments; also env SERVEGATE_FAULT_<NAME>)")
+    group.add_argument("--fault-decode-delay-ms", type=float, default=None, metavar="MS",
+                       help="sleep MS after every decode step (host overhead; lowers fwd_occupancy)")
+    group.add_argument("--fault-decode-slowdown-pct", type=float, default=None, metavar="P",
+                       help="make every forward pass P percent slower (inside the forward window)")
+    group.add_argument("--fault-crash-after-requests", type=int, default=None, metavar="N",
+                       help="os._exit(1) after the N-th completed user request")
+    group.add_argument("--fault-flush-busy-s", type=float, default=None, metavar="S",
+                       help="each flush request sees the worker busy for S seconds from its arrival")
+    group.add_argument("--fault-occupancy", choices=["nan", "absent"], default=None,
+                       help="sglang:fwd_occupancy always NaN, or not exported at all")
+    group.add_argument("--fault-startup-oom", action="store_true", default=None,
+                       help="SIGKILL itself during start-up, like the OOM killer")
+    group.add_argument("--fault-error-rate", type=float, default=None, metavar="F",
+                       help="answer fraction F of generate requests with HTTP 500 (seeded)")
+    group.add_argument("--fault-cut-stream-after-tokens", type=int, default=None, metavar="N",
+                       help="close streaming responses after N tokens, without [DONE]")
+    group.add_argument("--fault-corrupt-logits", action="store_true", default=None,
+                       help="rotate logits by one position: wrong tokens and log-probs")
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(ENV_PREFIX + name.upper())
+    return value if value not in (None, "") else None
+
+
+def _parse(name: str, raw: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean; use 1 or 0")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"fault {name}={raw!r} is not a valid {kind.__name__}; "
+                          f"set --fault-{name.replace('_', '-')} or {ENV_PREFIX}{name.upper()} "
+                          f"to a {kind.__name__}") from exc
+
+
+def faults_from_args(args: argparse.Namespace) -> FaultConfig:
+    """Flags first, then ``SERVEGATE_FAULT_<NAME>``, then the defaults; values are checked."""
+    kinds: dict[str, type] = {
+        "decode_delay_ms": float, "decode_slowdown_pct": float, "crash_after_requests": int,
+        "flush_busy_s": float, "occupancy": str, "startup_oom": bool, "error_rate": float,
+        "cut_stream_after_tokens": int, "corrupt_logits": bool,
+    }
+    values: dict[str, Any] = {}
+    for name, kind in kinds.items():
+        raw = getattr(args, f"fault_{name}", None)
+        if raw is None:
+            raw = _env(name)
+        if raw is not None:
+            values[name] = _parse(name, raw, kind)
+    seed = _env("seed")
+    if seed is not None:
+        values["seed"] = _parse("seed", seed, int)
+    cfg = FaultConfig(**values)
+    if cfg.decode_delay_ms < 0 or cfg.decode_slowdown_pct < 0 or cfg.flush_busy_s < 0:
+        raise ConfigError("fault delays must be >= 0 (decode_delay_ms, decode_slowdown_pct, flush_busy_s)")
+    if not 0.0 <= cfg.error_rate <= 1.0:
+        raise ConfigError(f"fault error_rate must be within [0, 1], got {cfg.error_rate}")
+    if cfg.occupancy not in (None, "nan", "absent"):
+        raise ConfigError(f"fault occupancy must be 'nan' or 'absent', got {cfg.occupancy!r}")
+    for name in ("crash_after_requests", "cut_stream_after_tokens"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"fault {name} must be >= 1, got {value}")
+    return cfg

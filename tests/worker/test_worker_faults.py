@@ -1,0 +1,142 @@
+"""Every fault switch of the worker, each against a real worker process."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import threading
+import time
+
+import pytest
+import requests
+from workerutil import TINY_ARGS, WorkerProcess, generate, metric_value, sse_events
+
+pytestmark = pytest.mark.timeout(240)
+
+BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                 "ignore_eos": True}}
+
+
+def _occupancy_during(url: str, max_new_tokens: int = 80) -> list[float]:
+    values: list[float] = []
+    done = threading.Event()
+
+    def load() -> None:
+        generate(url, {"text": "x", "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}},
+                 timeout=120)
+        done.set()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    while not done.is_set():
+        values.append(metric_value(url, "sglang:fwd_occupancy"))
+        done.wait(0.02)
+    thread.join()
+    return [v for v in values if not math.isnan(v)]
+
+
+def test_decode_delay_slows_decode_and_lowers_occupancy(start_worker) -> None:
+    # 500 ms of host overhead per step dwarfs the tiny model's forward even on a loaded machine.
+    worker = start_worker(["--enable-metrics", "--decode-log-interval", "2", "--fault-decode-delay-ms", "500"])
+    doc = generate(worker.url, {"text": "x", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}).json()
+    # token 1 comes from the prefill; the delay follows each decode step, so two precede token 4
+    assert doc["meta_info"]["e2e_latency"] >= 2 * 0.5
+    finite = _occupancy_during(worker.url, 8)
+    assert finite and max(finite) < 50
+
+
+def test_decode_slowdown_keeps_occupancy_high(start_worker) -> None:
+    # The slowdown happens inside the forward window: slower kernels, not host overhead.
+    worker = start_worker(["--enable-metrics", "--decode-log-interval", "4"],
+                          env={"SERVEGATE_FAULT_DECODE_SLOWDOWN_PCT": "2000"})
+    info = requests.get(worker.url + "/get_server_info", timeout=10).json()
+    assert info["faults"] == {"decode_slowdown_pct": 2000.0}
+    finite = _occupancy_during(worker.url, 12)
+    assert finite and max(finite) > 50
+
+
+def test_crash_after_requests(start_worker) -> None:
+    worker = start_worker(["--fault-crash-after-requests", "2"])
+    assert requests.get(worker.url + "/health_generate", timeout=60).status_code == 200  # not counted
+    assert generate(worker.url, BODY).status_code == 200
+    assert generate(worker.url, BODY).status_code == 200  # the 2nd answer still gets out
+    assert worker.wait_exit(30) == 1
+
+
+def test_error_rate_is_seeded_and_spares_health(start_worker) -> None:
+    worker = start_worker(["--fault-error-rate", "0.5"])
+    rng = random.Random(0)  # SERVEGATE_FAULT_SEED defaults to 0: one draw per generate request
+    expected = [500 if rng.random() < 0.5 else 200 for _ in range(13)]
+    codes = [generate(worker.url, BODY).status_code for _ in range(12)]
+    assert codes == expected[:12] and set(codes) == {200, 500}
+    assert requests.get(worker.url + "/health_generate", timeout=60).status_code == 200  # no draw
+    resp = requests.post(worker.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert resp.status_code == expected[12]
+    if resp.status_code == 500:
+        assert "fault injection" in resp.json()["error"]["message"]
+
+
+def test_cut_stream_after_tokens(start_worker) -> None:
+    worker = start_worker(["--fault-cut-stream-after-tokens", "3", "--fault-decode-delay-ms", "10"])
+    body = {**BODY, "stream": True, "sampling_params": {**BODY["sampling_params"], "max_new_tokens": 20}}
+    events: list[str] = []
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        with generate(worker.url, body, stream=True) as resp:
+            for line in resp.iter_lines(decode_unicode=True):
+                if line:
+                    events.append(line)
+    assert events and "data: [DONE]" not in events
+    last = json.loads(events[-1][len("data: "):])
+    assert 3 <= len(last["output_ids"]) < 20 and last["meta_info"]["finish_reason"] is None
+    assert generate(worker.url, BODY).status_code == 200  # non-streaming answers are untouched
+    with generate(worker.url, {**body, "sampling_params": {"max_new_tokens": 2}}, stream=True) as resp:
+        assert sse_events(resp)[-1] == "[DONE]"  # shorter than N: complete
+
+
+@pytest.mark.parametrize("mode", ["nan", "absent"])
+def test_occupancy_fault(start_worker, mode: str) -> None:
+    worker = start_worker(["--enable-metrics", "--decode-log-interval", "2", "--fault-occupancy", mode])
+    generate(worker.url, {"text": "x", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}})
+    text = requests.get(worker.url + "/metrics", timeout=10).text
+    if mode == "absent":
+        assert "sglang:fwd_occupancy" not in text
+    else:
+        assert math.isnan(metric_value(worker.url, "sglang:fwd_occupancy"))
+        assert metric_value(worker.url, "sglang:gen_throughput") > 0  # everything else is real
+
+
+def test_startup_oom_is_a_sigkill_before_ready(tmp_path) -> None:
+    worker = WorkerProcess([*TINY_ARGS, "--fault-startup-oom"], None, tmp_path / "worker.log")
+    try:
+        assert worker.wait_exit(120) == -signal.SIGKILL
+        assert "startup-oom" in worker.log_text()
+    finally:
+        worker.stop()
+
+
+def test_corrupt_logits_shifts_every_greedy_token(start_worker) -> None:
+    from servegate.worker.model import ensure_model, load_model
+    import torch
+
+    worker = start_worker(["--fault-corrupt-logits"])
+    ids = [504, 3575, 282, 4649, 314]
+    doc = generate(worker.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
+    model, _ = load_model(ensure_model("tiny-random"), "float32")
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    expected = (int(logits.argmax()) + 1) % logits.shape[-1]  # the logits were rotated by one position
+    assert doc["output_ids"] == [expected]
+    assert doc["output_ids"] != [int(logits.argmax())]
+
+
+def test_api_key(start_worker) -> None:
+    worker = start_worker(["--api-key", "sekrit"])
+    assert generate(worker.url, BODY).status_code == 401
+    assert generate(worker.url, BODY, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert generate(worker.url, BODY, headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    assert requests.get(worker.url + "/health", timeout=10).status_code == 200
+    assert requests.get(worker.url + "/v1/models", timeout=10).status_code == 401
+    # Without --enable-metrics, /metrics is 404 like SGLang (and open: no key needed to learn that).
+    assert requests.get(worker.url + "/metrics", timeout=10).status_code == 404
