@@ -10,7 +10,7 @@ from typing import Any
 from prefect import flow
 
 from servegate.config import GateConfig
-from servegate.gate import GateRun
+from servegate.gate import GateRun, resolve_config
 from servegate.tasks.compare import compare
 from servegate.tasks.flush import flush
 from servegate.tasks.launch import launch
@@ -24,14 +24,18 @@ from servegate.tasks.warmup import warmup
 
 
 @flow(name="regression-gate", log_prints=False, validate_parameters=True)
-def regression_gate(config: GateConfig) -> dict[str, Any]:
+def regression_gate(config: GateConfig | None = None, profile: str | None = None,
+                    overrides: list[str] | None = None) -> dict[str, Any]:
     """Run one gate; returns the verdict (as JSON) and the run folder.
+
+    Give a full ``config``, or a shipped ``profile`` name plus ``section.field=value``
+    ``overrides`` (what deployments use: ``profile: smoke``).
 
     Stage tasks record their own failures in the GateRun (and in the run folder) before
     failing, so the flow goes on to tear the worker down, validate what was measured and
     decide: an infra failure makes the verdict inconclusive, never a pass.
     """
-    run = GateRun.open(config)
+    run = GateRun.open(resolve_config(config, profile, overrides))
     try:
         launch(run, return_state=True)
         warmup(run, return_state=True)

@@ -25,14 +25,28 @@ import pandas as pd
 from servegate.config import GateConfig
 from servegate.engines import get_engine
 from servegate.engines.base import Engine
-from servegate.errors import InfraError, ServegateError, WorkerDiedError
+from servegate.errors import ConfigError, InfraError, ServegateError, WorkerDiedError
 
-__all__ = ["GateRun", "MEASUREMENT_STAGES", "StageOutcome"]
+__all__ = ["GateRun", "MEASUREMENT_STAGES", "StageOutcome", "resolve_config"]
 
 logger = logging.getLogger("servegate.gate")
 
 MEASUREMENT_STAGES: tuple[str, ...] = ("one_batch", "serving", "occupancy")
 """Measurement stages in gate order; each starts from a flushed, idle worker."""
+
+
+def resolve_config(config: GateConfig | None, profile: str | None, overrides: list[str] | None) -> GateConfig:
+    """A flow's config from its parameters: a full config, or a profile plus overrides."""
+    from servegate.config import apply_overrides, load_config
+
+    if config is not None:
+        if profile is not None:
+            raise ConfigError("give the gate flow either config or profile, not both")
+        if overrides:
+            data = apply_overrides(config.model_dump(mode="json", by_alias=True), list(overrides))
+            return GateConfig.model_validate(data)
+        return config
+    return load_config(profile=profile or "smoke", overrides=list(overrides or []))
 
 
 @dataclass
