@@ -1,0 +1,81 @@
+"""The gate flow as a real Prefect flow run (shared ephemeral server), on a real worker process.
+
+The tiny random-weight model keeps this fast; the e2e tests run the real SmolLM2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+
+from servegate.flows.gate import regression_gate
+
+pytestmark = pytest.mark.timeout(600)
+
+TINY = [
+    "worker.model=tiny-random",
+    "warmup.max_new_tokens=4",
+    "one_batch.batch_sizes=[1, 2, 64]",
+    "one_batch.input_lens=[16]",
+    "one_batch.output_lens=[4]",
+    "serving.num_prompts=6",
+    "serving.random_input_len=16",
+    "serving.random_output_len=6",
+    "serving.request_rate=20",
+    "serving.progress=false",
+    "occupancy.max_new_tokens=400",
+    "occupancy.scrape_interval_s=0.05",
+]
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+async def _artifact_keys(flow_run_id) -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async with get_client() as client:
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key for a in artifacts if a.key}
+
+
+def test_flow_run_passes_records_artifacts_and_stops_worker(prefect_harness, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
+    before = _children()
+    state = regression_gate(profile="smoke", overrides=[*TINY, f"output_dir={tmp_path}"], return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    verdict = result["verdict"]
+    assert verdict["status"] == "pass", json.dumps(verdict, indent=1)
+    run_dir = Path(result["run_dir"])
+    stages = json.loads((run_dir / "stages.json").read_text())
+    for stage in ("launch", "warmup", "flush:one_batch", "one_batch", "flush:serving", "serving",
+                  "flush:occupancy", "occupancy", "validate"):
+        assert stages[stage]["status"] == "ok", (stage, stages[stage])
+    assert stages["compare"]["status"] == "skipped"  # smoke: no baseline comparison
+    assert (run_dir / "junit.xml").is_file() and (run_dir / "report.html").is_file()
+    keys = asyncio.run(_artifact_keys(state.state_details.flow_run_id))
+    assert {"servegate-smoke-one-batch", "servegate-smoke-serving", "servegate-smoke-occupancy",
+            "servegate-smoke-verdict", "servegate-smoke-summary"} <= keys, keys
+    assert _children() <= before  # the worker's whole tree is gone
+
+
+def test_flow_with_unreachable_flush_is_inconclusive_and_keeps_tables(prefect_harness, tmp_path: Path, monkeypatch):
+    """A worker that stays busy past the flush timeout: the stage after it is skipped, never measured dirty."""
+    monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
+    result = regression_gate(profile="smoke", overrides=[
+        *TINY, f"output_dir={tmp_path}", "flush.timeout_s=1",
+        'worker.extra_args=["--fault-flush-busy-s", "30"]', "report.html=false"])
+    verdict = result["verdict"]
+    assert verdict["status"] == "inconclusive"
+    assert any("flush" in e for e in verdict["infra_errors"]), verdict["infra_errors"]
+    stages = json.loads((Path(result["run_dir"]) / "stages.json").read_text())
+    assert stages["flush:one_batch"]["status"] == "failed"
+    assert stages["one_batch"]["status"] == "skipped" and "flush" in stages["one_batch"]["error"]
