@@ -1,0 +1,135 @@
+"""The gate end to end, as a user runs it: `servegate run` against the real SmolLM2 worker.
+
+Each test runs the real CLI in a subprocess (its own ephemeral Prefect server, a real
+embedded worker process, real GX validation) and checks the exit code, the run folder and
+that no process survives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A smaller smoke: same stages, fewer requests, so three gate runs fit the CI budget.
+FAST = [
+    "--set", "serving.num_prompts=12",
+    "--set", "occupancy.max_new_tokens=96",
+]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 840) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
+           "--json", *FAST, *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+
+
+def _verdict(proc: subprocess.CompletedProcess) -> dict:
+    start = proc.stdout.find("{")
+    assert start >= 0, f"no JSON verdict on stdout.\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout[start:])
+
+
+def _worker_processes() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "servegate" in cmd and "worker" in cmd:
+            found.append(p)
+    return found
+
+
+def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
+    proc = _run(tmp_path)
+    verdict = _verdict(proc)
+    assert proc.returncode == 0, f"{verdict}\n{proc.stderr[-4000:]}"
+    assert verdict["status"] == "pass" and verdict["breaches"] == []
+    run_dir = Path(verdict["run_dir"])
+    for name in ("config.json", "stages.json", "verdict.json", "expectations.json", "worker.log",
+                 "one_batch.csv", "one_batch.parquet", "one_batch.jsonl", "serving_requests.parquet",
+                 "serving_summary.csv", "occupancy_samples.csv", "occupancy_summary.csv"):
+        assert (run_dir / name).is_file(), f"{name} missing from {sorted(p.name for p in run_dir.iterdir())}"
+    stages = json.loads((run_dir / "stages.json").read_text())
+    assert all(s["status"] == "ok" for s in stages.values()), stages
+    rows = [json.loads(line) for line in (run_dir / "one_batch.jsonl").read_text().splitlines()]
+    # the smoke grid has one case past the worker's max running requests: a row with its reason
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    assert skipped and all(r["skip_reason"] for r in skipped)
+    measured = [r for r in rows if r["status"] == "measured"]
+    assert measured and all(r["latency"] > 0 and r["output_throughput"] > 0 for r in measured)
+    assert not _worker_processes()
+
+
+def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
+    suites = tmp_path / "expectations"
+    shutil.copytree(REPO / "expectations", suites)
+    smoke = json.loads((suites / "smoke.json").read_text())
+    # Demand an output throughput no 2-core CPU reaches with a 135M model.
+    smoke["suites"].setdefault("serving_summary", {"expectations": []})["expectations"].append({
+        "type": "expect_column_values_to_be_between",
+        "kwargs": {"column": "output_throughput", "min_value": 1.0e6},
+        "meta": {"source": "test: impossible threshold"},
+    })
+    (suites / "smoke.json").write_text(json.dumps(smoke))
+    proc = _run(tmp_path, "--set", f"validate.expectations_dir={suites}", "--set", "occupancy.enabled=false")
+    verdict = _verdict(proc)
+    assert proc.returncode == 1, f"{verdict}\n{proc.stderr[-4000:]}"
+    assert verdict["status"] == "fail"
+    named = [b for b in verdict["breaches"] if b["column"] == "output_throughput"]
+    assert named, verdict["breaches"]
+    assert not _worker_processes()
+
+
+def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: Path):
+    cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
+           "--json", *FAST, "--set", "serving.num_prompts=40", "--set", "serving.request_rate=2"]
+    gate = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        # Wait until the serving stage is under way (one-batch table written, serving not yet).
+        deadline = time.monotonic() + 600
+        killed = None
+        while time.monotonic() < deadline and gate.poll() is None:
+            done = list((tmp_path / "runs").glob("*/one_batch.csv"))
+            workers = [p for p in psutil.Process(gate.pid).children(recursive=True)
+                       if "worker" in (p.cmdline() or [])]
+            if done and workers:
+                time.sleep(2.0)
+                killed = workers[0]
+                killed.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.5)
+        assert killed is not None, "the gate never reached the serving stage"
+        out, err = gate.communicate(timeout=300)
+    finally:
+        if gate.poll() is None:
+            os.killpg(gate.pid, signal.SIGKILL)
+    assert gate.returncode == 2, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-4000:]}"
+    verdict = json.loads(out[out.find("{"):])
+    assert verdict["status"] == "inconclusive"
+    assert any("serving" in e for e in verdict["infra_errors"]), verdict["infra_errors"]
+    run_dir = Path(verdict["run_dir"])
+    assert (run_dir / "one_batch.csv").is_file()  # measured before the kill: kept
+    assert not killed.is_running() or killed.status() == psutil.STATUS_ZOMBIE
+    assert not _worker_processes()
