@@ -409,6 +409,9 @@ class Engine:
             if self._num_active > 0:
                 return False
             dropped = self.prefix_cache.clear()
+            # The engine thread republishes when it next goes idle; do it now so a scrape right
+            # after a successful flush never shows the last request still running.
+            self._publish_state_locked()
         log.info("prefix cache flushed (%d tokens dropped)", dropped)
         return True
 

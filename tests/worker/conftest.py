@@ -10,11 +10,10 @@ from workerutil import TINY_ARGS, WorkerProcess
 
 @pytest.fixture(scope="session", autouse=True)
 def _tiny_model_cached() -> None:
-    """Skip (with the fix) rather than fail every test when the model cache is empty offline."""
-    from servegate.worker.model import cache_dir
+    """Build the tiny model once (from the cached SmolLM2 tokenizer) before any worker starts."""
+    from servegate.worker.model import ensure_model
 
-    if not (cache_dir() / "tiny-random" / "model.safetensors").is_file():
-        pytest.skip("tiny-random model not cached; run `servegate model fetch --model tiny-random` first")
+    ensure_model("tiny-random")
 
 
 @pytest.fixture(scope="module")

@@ -49,10 +49,10 @@ class WorkerProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"worker exited with {self.proc.returncode} during start-up:\n{self.log_text()}")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                if requests.get(self.url + "/health", timeout=10).status_code == 200:
                     return self
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or too busy loading the model to answer: poll again
             time.sleep(0.1)
         raise AssertionError(f"worker not ready after {timeout_s} s:\n{self.log_text()}")
 
