@@ -16,6 +16,7 @@ from servegate.tasks.flush import flush
 from servegate.tasks.launch import launch
 from servegate.tasks.occupancy import occupancy
 from servegate.tasks.one_batch import one_batch
+from servegate.tasks.quality import quality
 from servegate.tasks.record import record
 from servegate.tasks.serving import serving
 from servegate.tasks.validate import validate
@@ -39,7 +40,7 @@ def regression_gate(config: GateConfig | None = None, profile: str | None = None
     try:
         launch(run, return_state=True)
         warmup(run, return_state=True)
-        for measure in (one_batch, serving, occupancy):
+        for measure in (one_batch, serving, occupancy, quality):
             flush(run, measure.name, return_state=True)
             measure(run, return_state=True)
     finally:

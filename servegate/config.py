@@ -26,6 +26,8 @@ __all__ = [
     "OneBatchConfig",
     "ServingConfig",
     "OccupancyConfig",
+    "QualityConfig",
+    "QUALITY_DATA_DIR",
     "ValidateConfig",
     "CompareConfig",
     "StoreConfig",
@@ -38,6 +40,8 @@ __all__ = [
 ]
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
+QUALITY_DATA_DIR = Path(__file__).resolve().parent.parent / "expectations" / "data"
+"""The shipped quality data (a checkout or editable install; override the paths in config otherwise)."""
 
 EngineName = Literal["embedded", "sglang", "vllm", "external"]
 
@@ -214,6 +218,40 @@ class ValidateConfig(_Model):
     expectations_dir: str | None = Field(None, description="default: the project's expectations/")
 
 
+class QualityConfig(_Model):
+    """The quality stage: multiple-choice accuracy floor and reference agreement."""
+
+    enabled: bool = Field(True, description="run the quality stage")
+    dataset_path: str = Field(str(QUALITY_DATA_DIR / "commonsense_mc.jsonl"),
+                              description="HellaSwag-format JSONL (ctx, endings, label); default: the shipped set")
+    max_items: int | None = Field(None, ge=1, description="score a seeded sample of this many items (None: all)")
+    reference_prompts_path: str = Field(str(QUALITY_DATA_DIR / "reference_prompts.json"),
+                                        description="JSON list of {id, prompt} for reference agreement")
+    reference_max_new_tokens: int = Field(16, ge=1, description="greedy tokens generated per reference prompt")
+    exact_match_tokens: int = Field(16, ge=1, description="N: the first N output tokens must match exactly")
+    logprob_tolerance: float = Field(0.3, gt=0, description="allowed |worker - reference| per-token logprob and "
+                                                            "greedy gap, nats (bf16 worker vs fp32: <= 0.14 measured)")
+    reference: str = Field("in-process", description="'in-process' (transformers fp32 run of the model) or the "
+                                                     "path to a stored reference file (record_reference)")
+    seed: int = Field(1, description="seed of the max_items sample")
+    request_timeout_s: float = Field(300.0, gt=0, description="HTTP timeout per request")
+    concurrency: int = Field(4, ge=1, description="requests in flight at once")
+
+    @field_validator("logprob_tolerance", "request_timeout_s")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if math.isnan(v) or math.isinf(v):
+            raise ValueError(f"must be a finite number > 0, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _n_within_generated(self) -> "QualityConfig":
+        if self.exact_match_tokens > self.reference_max_new_tokens:
+            raise ValueError(f"exact_match_tokens ({self.exact_match_tokens}) exceeds reference_max_new_tokens "
+                             f"({self.reference_max_new_tokens}); raise reference_max_new_tokens or lower N")
+        return self
+
+
 class CompareConfig(_Model):
     """Noise-aware comparison with the gate key's baseline (history in the store).
 
@@ -249,6 +287,7 @@ class GateConfig(_Model):
     one_batch: OneBatchConfig = Field(default_factory=OneBatchConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     occupancy: OccupancyConfig = Field(default_factory=OccupancyConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
     compare: CompareConfig = Field(default_factory=CompareConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)

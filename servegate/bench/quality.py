@@ -50,6 +50,7 @@ import pandas as pd
 import requests
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from servegate.config import QUALITY_DATA_DIR, QualityConfig
 from servegate.engines.base import Engine
 from servegate.errors import (
     ConfigError,
@@ -91,7 +92,7 @@ __all__ = [
     "run_quality",
 ]
 
-DATA_DIR: Final = Path(__file__).resolve().parents[2] / "expectations" / "data"
+DATA_DIR: Final = QUALITY_DATA_DIR
 DEFAULT_DATASET: Final = DATA_DIR / "commonsense_mc.jsonl"
 DEFAULT_REFERENCE_PROMPTS: Final = DATA_DIR / "reference_prompts.json"
 REFERENCE_SCHEMA_VERSION: Final = 1
@@ -107,42 +108,6 @@ AGREEMENT_ROW_COLUMNS: Final = ["prompt_id", "n_compared", "first_mismatch_index
                                 "logprob_comparison", "n_logprobs_compared", "mean_abs_logprob_diff",
                                 "max_abs_logprob_diff", "max_greedy_gap", "within_tolerance", "worker_output_ids",
                                 "reference_output_ids"]
-
-
-class QualityConfig(BaseModel):
-    """The quality stage's settings (to move into ``GateConfig`` as ``quality``)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    enabled: bool = Field(True, description="run the quality stage")
-    dataset_path: str = Field(str(DEFAULT_DATASET),
-                              description="HellaSwag-format JSONL (ctx, endings, label); default: the shipped set")
-    max_items: int | None = Field(None, ge=1, description="score a seeded sample of this many items (None: all)")
-    reference_prompts_path: str = Field(str(DEFAULT_REFERENCE_PROMPTS),
-                                        description="JSON list of {id, prompt} for reference agreement")
-    reference_max_new_tokens: int = Field(16, ge=1, description="greedy tokens generated per reference prompt")
-    exact_match_tokens: int = Field(16, ge=1, description="N: the first N output tokens must match exactly")
-    logprob_tolerance: float = Field(0.3, gt=0, description="allowed |worker - reference| per-token logprob and "
-                                                            "greedy gap, nats (bf16 worker vs fp32: <= 0.14 measured)")
-    reference: str = Field("in-process", description="'in-process' (transformers fp32 run of the model) or the "
-                                                     "path to a stored reference file (record_reference)")
-    seed: int = Field(1, description="seed of the max_items sample")
-    request_timeout_s: float = Field(300.0, gt=0, description="HTTP timeout per request")
-    concurrency: int = Field(4, ge=1, description="requests in flight at once")
-
-    @field_validator("logprob_tolerance", "request_timeout_s")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if math.isnan(v) or math.isinf(v):
-            raise ValueError(f"must be a finite number > 0, got {v!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _n_within_generated(self) -> "QualityConfig":
-        if self.exact_match_tokens > self.reference_max_new_tokens:
-            raise ValueError(f"exact_match_tokens ({self.exact_match_tokens}) exceeds reference_max_new_tokens "
-                             f"({self.reference_max_new_tokens}); raise reference_max_new_tokens or lower N")
-        return self
 
 
 @dataclass

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 FAST = [
     "--set", "serving.num_prompts=12",
     "--set", "occupancy.max_new_tokens=96",
+    "--set", "quality.max_items=60",
 ]
 
 

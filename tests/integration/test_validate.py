@@ -76,7 +76,10 @@ def comparison_table(decisions=("no_change", "improvement", "report_only"), gate
 def passing_tables() -> dict[str, pd.DataFrame]:
     return {"one_batch": one_batch_table(), "serving_requests": serving_requests_table(),
             "serving_summary": serving_summary_table(), "occupancy_summary": occupancy_summary_table(),
-            "comparison": comparison_table()}
+            "comparison": comparison_table(),
+            "quality_accuracy": pd.DataFrame([{"n_items": 250, "accuracy": 0.676, "accuracy_stderr": 0.03}]),
+            "quality_agreement": pd.DataFrame([{"n_prompts": 8, "exact_match_rate": 0.5,
+                                                "within_tolerance_rate": 1.0}])}
 
 
 def test_comparison_regression_fails_and_missing_history_is_inconclusive():
