@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NGRAM speculative decoding (requests are then served one at a time)")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="K")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health*, /metrics)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all CPUs but one, left to the HTTP loop and the client)")
     parser.add_argument("--random-seed", type=int, default=0, help="seed of the sampler")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_fault_arguments(parser)
