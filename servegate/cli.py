@@ -1,11 +1,12 @@
 """The servegate command line.
 
     servegate run [--profile NAME | --config FILE] [--set section.field=value ...]
+    servegate rerun RUN --task STAGE [--set section.field=value ...] [--json]
     servegate worker [--model smollm2-135m] [--host 127.0.0.1] [--port P] ...
     servegate model fetch [--model smollm2-135m]
     servegate profiles
 
-Exit codes of ``run``: 0 pass, 1 regression (fail), 2 could not decide (inconclusive,
+Exit codes of ``run`` and ``rerun``: 0 pass, 1 regression (fail), 2 could not decide (inconclusive,
 bad input, infra failure).
 """
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     from servegate import history_cli
 
     history_cli.add_arguments(sub)  # status, report, baseline
+    from servegate import rerun
+
+    rerun.add_arguments(sub)  # rerun RUN --task STAGE
     from servegate import engine_install
 
     engine_install.add_arguments(sub)  # engine install NAME, engine path NAME

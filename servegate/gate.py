@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,12 +28,49 @@ from servegate.engines import get_engine
 from servegate.engines.base import Engine
 from servegate.errors import ConfigError, InfraError, ServegateError, WorkerDiedError
 
-__all__ = ["GateRun", "MEASUREMENT_STAGES", "StageOutcome", "resolve_config"]
+__all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "StageOutcome", "device_slot_limit",
+           "hold_device_slot", "resolve_config"]
 
 logger = logging.getLogger("servegate.gate")
 
-MEASUREMENT_STAGES: tuple[str, ...] = ("one_batch", "serving", "occupancy")
+MEASUREMENT_STAGES: tuple[str, ...] = ("one_batch", "serving", "occupancy", "quality")
 """Measurement stages in gate order; each starts from a flushed, idle worker."""
+
+DEVICE_SLOT_ENV = "SERVEGATE_DEVICE_SLOT"
+"""Names the device this gate's worker runs on (e.g. ``gpu-box-3-gpu0``). When set, a gate holds
+the Prefect global concurrency limit ``device-<slot>`` from before its run folder is created
+until its worker is stopped, so two gates never share a device. Unset: no limit (local runs)."""
+
+
+def device_slot_limit() -> str | None:
+    """The global concurrency limit this process must hold (``device-<slot>``), or None when unset."""
+    slot = os.environ.get(DEVICE_SLOT_ENV, "").strip()
+    return f"device-{slot}" if slot else None
+
+
+def hold_device_slot() -> contextlib.ExitStack:
+    """Acquire this machine's device slot, if one is configured; close the returned stack to release it.
+
+    Waits as long as another gate holds the slot. The limit must exist on the Prefect server
+    (``prefect gcl create device-<slot> --limit 1``): a missing limit is an error, not a
+    silently unlimited device.
+    """
+    held = contextlib.ExitStack()
+    name = device_slot_limit()
+    if name is None:
+        return held
+    from prefect.concurrency.sync import concurrency
+    from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
+
+    try:
+        # A transient API error while renewing the lease must not kill an hour-long gate.
+        held.enter_context(concurrency(name, occupy=1, strict=True, raise_on_lease_renewal_failure=False))
+    except ConcurrencySlotAcquisitionError as exc:
+        raise ConfigError(f"cannot hold the device slot {name!r} ({DEVICE_SLOT_ENV}="
+                          f"{os.environ.get(DEVICE_SLOT_ENV)}): {exc}; create it once with "
+                          f"`prefect gcl create {name} --limit 1`, or unset {DEVICE_SLOT_ENV}") from exc
+    logger.info("holding device slot %s", name)
+    return held
 
 
 def resolve_config(config: GateConfig | None, profile: str | None, overrides: list[str] | None) -> GateConfig:
@@ -77,15 +115,23 @@ class GateRun:
         self.started_at = time.time()
         self.closed = False  # True once the gate stopped the worker on purpose
         self.attempt_of: str | None = None  # the recorded run this one re-runs (servegate rerun)
+        self.device_slot = contextlib.ExitStack()  # the held device slot (hold_device_slot), released by close()
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def open(cls, config: GateConfig) -> "GateRun":
         from servegate.results import RunFolder
 
-        folder = RunFolder.create(Path(config.output_dir), config.name)
-        folder.write_config(config)
-        return cls(config, folder)
+        held = hold_device_slot()  # before the folder: started_at is when the device became ours
+        try:
+            folder = RunFolder.create(Path(config.output_dir), config.name)
+            folder.write_config(config)
+            run = cls(config, folder)
+        except BaseException:
+            held.close()
+            raise
+        run.device_slot = held
+        return run
 
     @property
     def path(self) -> Path:
@@ -175,6 +221,14 @@ class GateRun:
         if outcome is not None:
             outcome.tables.append(name)
 
+    def carry_stage(self, outcome: StageOutcome, tables: dict[str, pd.DataFrame]) -> None:
+        """Take a stage an earlier attempt measured (``servegate rerun``): its outcome, and its
+        tables written into this run's folder, so the attempt is validated and kept whole."""
+        for name, df in tables.items():
+            self.save_table(name, df)
+        self.stages[outcome.stage] = outcome
+        self._write_stages(outcome)
+
     def save_partial(self, exc: BaseException, name: str) -> None:
         """Keep what a stage measured before it failed (``exc.partial``), if anything."""
         partial = getattr(exc, "partial", None)
@@ -192,11 +246,14 @@ class GateRun:
 
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:
-        """End the worker's whole process tree. Safe to call more than once."""
+        """End the worker's whole process tree, then release the device slot. Safe to call more than once."""
         self.closed = True
-        if self.worker is not None:
-            try:
-                self.worker.stop()
-            except InfraError as exc:  # never let teardown hide the real outcome
-                self.infra_errors.append(f"teardown: {exc}")
-                logger.error("teardown failed: %s", exc)
+        try:
+            if self.worker is not None:
+                try:
+                    self.worker.stop()
+                except InfraError as exc:  # never let teardown hide the real outcome
+                    self.infra_errors.append(f"teardown: {exc}")
+                    logger.error("teardown failed: %s", exc)
+        finally:
+            self.device_slot.close()
