@@ -33,6 +33,7 @@ FAST = [
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env["SERVEGATE_DB"] = str(tmp_path / "history.db")  # also marks this test's processes
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     env["HF_HUB_OFFLINE"] = "1"
@@ -52,12 +53,18 @@ def _verdict(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout[start:])
 
 
-def _worker_processes() -> list[psutil.Process]:
+def _worker_processes(tmp_path: Path) -> list[psutil.Process]:
+    """Embedded workers started by this test's gate (they inherit its SERVEGATE_DB)."""
+    marker = str(tmp_path / "history.db")
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         if "servegate" in cmd and "worker" in cmd:
-            found.append(p)
+            try:
+                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
     return found
 
 
@@ -79,7 +86,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     assert skipped and all(r["skip_reason"] for r in skipped)
     measured = [r for r in rows if r["status"] == "measured"]
     assert measured and all(r["latency"] > 0 and r["output_throughput"] > 0 for r in measured)
-    assert not _worker_processes()
+    assert not _worker_processes(tmp_path)
 
 
 def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
@@ -99,7 +106,7 @@ def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
     assert verdict["status"] == "fail"
     named = [b for b in verdict["breaches"] if b["column"] == "output_throughput"]
     assert named, verdict["breaches"]
-    assert not _worker_processes()
+    assert not _worker_processes(tmp_path)
 
 
 def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: Path):
@@ -133,4 +140,4 @@ def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: P
     run_dir = Path(verdict["run_dir"])
     assert (run_dir / "one_batch.csv").is_file()  # measured before the kill: kept
     assert not killed.is_running() or killed.status() == psutil.STATUS_ZOMBIE
-    assert not _worker_processes()
+    assert not _worker_processes(tmp_path)
