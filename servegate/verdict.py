@@ -129,12 +129,17 @@ def decide(outcomes: list[ExpectationOutcome], infra_errors: list[str],
     # An expectation whose meta says ``"failure_means": "insufficient_data"`` (e.g. "every gated
     # comparison has enough history") cannot show a regression when it fails, only that the gate
     # could not decide: it counts with the infra errors, never as a breach.
-    insufficient = [o for o in outcomes if o.success is False and o.meta.get("failure_means") == "insufficient_data"]
+    # Likewise ``"failure_means": "invalid_measurement"`` (the load generator fell behind its own
+    # schedule): the numbers describe the client, not the engine.
+    insufficient = [o for o in outcomes if o.success is False
+                    and o.meta.get("failure_means") in ("insufficient_data", "invalid_measurement")]
     for o in insufficient:
-        errors.append(f"insufficient data: {o.table}.{o.column or ''} {o.expectation_type} failed "
+        label = "insufficient data" if o.meta.get("failure_means") == "insufficient_data" else "invalid measurement"
+        errors.append(f"{label}: {o.table}.{o.column or ''} {o.expectation_type} failed "
                       f"({observed_text(o.observed)}); {o.meta.get('source', '')}")
     breaches = [_breach(o) for o in outcomes if o.success is False and o not in insufficient]
-    only_history_missing = bool(insufficient) and len(errors) == len(insufficient)
+    only_history_missing = (bool(insufficient) and len(errors) == len(insufficient)
+                            and all(o.meta.get("failure_means") == "insufficient_data" for o in insufficient))
     passed = sum(1 for o in outcomes if o.success is True)
     unevaluated = [o for o in outcomes if o.success is None and o.table_produced]
     for o in unevaluated:

@@ -12,15 +12,36 @@ Both stream as Server-Sent Events: ``data: {json}`` lines ending with ``data: [D
 Output tokens are always counted from the server's own counters, never by tokenizing
 chunks on the client (which would cost CPU in the load generator and disagree with the
 server's tokenizer).
+
+Two ways to read a stream: line by line (``parse_sse_line`` + ``native_event`` /
+``openai_events``: simple, for the one-batch stage and tests), and the fast path the serving
+load generator uses: ``StreamingClient`` (keep-alive HTTP/1.1 connections on the running
+event loop, responses parsed by httptools/llhttp, body bytes handed to a ``StreamSink``
+straight from the socket callback — no per-chunk future, task switch or stream buffer),
+``SSEDecoder`` (splits whatever bytes arrived into event payloads at the bytes level) and
+``native_completion_tokens`` (reads the cumulative token count out of an SGLang chunk
+without decoding its cumulative text and ids, which are most of its bytes). aiohttp costs
+~10 µs of client CPU per streamed chunk in its stream reader alone (measured with
+``benchmarks/loadgen_cost.py``), more than the whole budget of issue 7.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
+import ssl
+import time
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
+from urllib.parse import urlsplit
 
 import orjson
 import requests
+
+try:  # a dependency of the serving stage only; the rest of the package imports without it
+    import httptools
+except ImportError:  # pragma: no cover - depends on the environment
+    httptools = None
 
 from servegate.errors import ServerUnreachableError, StageError
 
@@ -34,6 +55,11 @@ __all__ = [
     "openai_completions_body",
     "generate_url",
     "parse_sse_line",
+    "parse_sse_payload",
+    "SSEDecoder",
+    "native_completion_tokens",
+    "StreamSink",
+    "StreamingClient",
     "StreamEvent",
     "native_event",
     "openai_events",
@@ -118,7 +144,11 @@ def parse_sse_line(line: bytes) -> dict[str, Any] | _Done | None:
     line = line.strip()
     if not line.startswith(b"data:"):
         return None
-    payload = line[5:].strip()
+    return parse_sse_payload(line[5:].strip())
+
+
+def parse_sse_payload(payload: bytes) -> dict[str, Any] | _Done:
+    """The data of one SSE event: ``SSE_DONE`` for ``[DONE]``, else a JSON object (``StageError`` if not)."""
     if payload == b"[DONE]":
         return SSE_DONE
     try:
@@ -129,6 +159,84 @@ def parse_sse_line(line: bytes) -> dict[str, Any] | _Done | None:
     if not isinstance(data, dict):
         raise StageError(f"server sent a stream chunk that is not a JSON object: {payload[:200]!r}")
     return data
+
+
+class SSEDecoder:
+    """Incremental Server-Sent Events decoder: bytes as they arrive in, event data payloads out.
+
+    ``feed`` takes any slice of the stream (an event may be split across reads, or a read may
+    hold many events) and returns the ``data`` of every event completed so far, as bytes with
+    the ``data:`` prefix and the optional space removed; several ``data:`` lines of one event
+    are joined with ``\\n``, comments and other fields are dropped (the SSE spec). ``close``
+    returns the data of an event the server ended without its blank line. The common event
+    (one ``data: ...`` line) costs a split and a slice — no per-line Python loop.
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if (not self._buf and data.startswith(b"data: ") and data.find(b"\n") == len(data) - 2
+                and data.endswith(b"\n\n") and b"\r" not in data):
+            return [data[6:-2]]  # exactly one one-line event: what servers send per write
+        buf = self._buf + data if self._buf else data
+        tail = b""
+        if b"\r" in buf:
+            # CRLF (or lone CR) line ends are legal SSE: normalise to LF. A trailing CR may be
+            # the first half of a CRLF split across reads, so it waits for the next read.
+            if buf.endswith(b"\r"):
+                buf, tail = buf[:-1], b"\r"
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        blocks = buf.split(b"\n\n")
+        self._buf = blocks.pop() + tail
+        out = []
+        for block in blocks:
+            if block.startswith(b"data: ") and b"\n" not in block:
+                out.append(block[6:])
+            elif block:
+                payload = _event_data(block)
+                if payload is not None:
+                    out.append(payload)
+        return out
+
+    def close(self) -> list[bytes]:
+        rest, self._buf = self._buf.replace(b"\r", b"\n"), b""
+        payload = _event_data(rest.strip(b"\n")) if rest.strip() else None
+        return [payload] if payload is not None else []
+
+
+def _event_data(block: bytes) -> bytes | None:
+    """The ``data`` of one event block (lines without the blank separator), or None if it has none."""
+    parts = []
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    if not parts:
+        return None
+    return b"\n".join(parts).strip()
+
+
+_COMPLETION_KEY: Final = b'"completion_tokens":'
+_INT_AFTER_KEY: Final = re.compile(rb"\s*(\d+)")
+
+
+def native_completion_tokens(payload: bytes) -> int | None:
+    """The cumulative ``completion_tokens`` of an SGLang ``/generate`` chunk, read at the bytes level.
+
+    SGLang streams the cumulative ``text`` and ``output_ids`` in every chunk, so decoding each
+    chunk costs O(tokens so far); this reads only the counter. The key cannot occur inside
+    a JSON string (its quotes would be escaped), so the last match is ``meta_info``'s. None
+    when the chunk has no such counter (an error chunk, or a server that does not send it):
+    the caller then decodes the chunk with ``parse_sse_payload`` + ``native_event``.
+    """
+    k = payload.rfind(_COMPLETION_KEY)
+    if k < 0:
+        return None
+    m = _INT_AFTER_KEY.match(payload, k + len(_COMPLETION_KEY))
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -208,6 +316,214 @@ def openai_usage(data: dict[str, Any]) -> tuple[int | None, int | None]:
                 int(completion) if completion is not None else None)
     except (AttributeError, TypeError, ValueError) as exc:
         raise StageError(f"malformed usage in a stream chunk ({exc}): {str(usage)[:200]}") from exc
+
+
+class StreamSink(Protocol):
+    """Receives the body of a 200 response as it arrives (see ``StreamingClient.post_stream``)."""
+
+    def feed(self, data: bytes, ts: float) -> bool:
+        """Take body bytes that arrived at ``ts`` (``time.perf_counter``); True once the stream's
+        ``[DONE]`` was seen. May raise ``StageError`` (the request is then failed)."""
+        ...
+
+
+_DONE_GRACE_S: Final = 0.05
+"""After [DONE], how long to wait for the HTTP message to end before dropping the connection."""
+_ERROR_BODY_LIMIT: Final = 64 * 1024
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection carrying one streamed request at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._parser: Any = None
+        self._sink: StreamSink | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._grace: asyncio.TimerHandle | None = None
+        self._now = 0.0
+        self.status = 0
+        self.error_body = bytearray()
+        self.got_bytes = False
+        self.saw_done = False
+        self.message_complete = False
+        self.keep_alive = False
+        self.failure: BaseException | None = None
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiter is None or self._waiter.done():
+            return  # bytes after the request was given up (e.g. past [DONE]); the connection is dropped
+        self._now = time.perf_counter()
+        self.got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__ if isinstance(exc.__context__, StageError) else None
+            self.failure = cause or StageError(
+                f"malformed HTTP response ({exc}); check that the URL points at an HTTP/1.1 server")
+        if self.failure is not None:
+            self._finish()
+        elif self.saw_done and not self.message_complete and self._grace is None:
+            self._grace = self._loop.call_later(_DONE_GRACE_S, self._finish)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._waiter is not None and not self._waiter.done():
+            # A 200 stream cut before [DONE] is the server going away; an error answer whose
+            # body ends with the connection is still an answer (returned with its status).
+            if not self.saw_done and self.status in (0, 200):
+                self.failure = ServerUnreachableError(
+                    f"the server closed the connection mid-request ({exc or 'EOF'}) after "
+                    f"{'some' if self.got_bytes else 'no'} response bytes; check the server's log")
+            self._finish()
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if self.status != 200:
+            if len(self.error_body) < _ERROR_BODY_LIMIT:
+                self.error_body += body
+            return
+        if self.failure is None and not self.saw_done:
+            try:
+                self.saw_done = self._sink.feed(body, self._now)  # type: ignore[union-attr]
+            except StageError as exc:
+                self.failure = exc
+
+    def on_message_complete(self) -> None:
+        self.message_complete = True
+        self.keep_alive = bool(self._parser.should_keep_alive())
+        self._finish()
+
+    # request cycle
+    def begin(self, request: bytes, sink: StreamSink) -> asyncio.Future[None]:
+        self._parser = httptools.HttpResponseParser(self)
+        self._sink = sink
+        self._waiter = self._loop.create_future()
+        self._grace = None
+        self.status = 0
+        self.error_body = bytearray()
+        self.got_bytes = self.saw_done = self.message_complete = self.keep_alive = False
+        self.failure = None
+        assert self.transport is not None
+        self.transport.write(request)
+        return self._waiter
+
+    def _finish(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+        if self._waiter is not None and not self._waiter.done():
+            if self.failure is not None:
+                self._waiter.set_exception(self.failure)
+            else:
+                self._waiter.set_result(None)
+
+    @property
+    def reusable(self) -> bool:
+        return self.message_complete and self.keep_alive and not self.closed and self.failure is None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.closed = True
+
+
+class StreamingClient:
+    """Keep-alive HTTP/1.1 connections to one server for streamed POSTs, on the running loop.
+
+    Idle connections are reused (one request at a time each); a reused connection the server
+    had already closed is retried once on a new one, before any response byte arrived. Use
+    ``async with StreamingClient(base_url) as client`` so that every connection is closed.
+    """
+
+    def __init__(self, base_url: str, headers: dict[str, str] | None = None) -> None:
+        if httptools is None:
+            raise StageError("the serving load generator needs the httptools package; "
+                             "install it with `pip install httptools`")
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise StageError(f"cannot stream from {base_url!r}: the URL must be http(s)://host[:port]")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.rstrip("/")
+        host_header = self.host if parts.port is None else f"{self.host}:{self.port}"
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._head = (f"Host: {host_header}\r\nAccept: text/event-stream\r\n"
+                      f"Content-Type: application/json\r\n{extra}").encode("latin-1")
+        self._idle: list[_Connection] = []
+        self._all: set[_Connection] = set()
+
+    async def __aenter__(self) -> "StreamingClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for conn in self._all:
+            conn.close()
+        self._all.clear()
+        self._idle.clear()
+
+    def request_bytes(self, path: str, body: bytes) -> bytes:
+        """The whole HTTP request for ``body``; build it once, send it with ``post_stream``."""
+        return (b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
+                % ((self._prefix + path).encode("latin-1"), self._head, len(body), body))
+
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn, True
+            self._all.discard(conn)
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(lambda: _Connection(loop), self.host, self.port, ssl=self._ssl)
+        except OSError as exc:
+            raise ServerUnreachableError(f"cannot connect to {self.host}:{self.port} ({exc}); check that "
+                                         f"the server is running and the URL is right") from exc
+        self._all.add(conn)
+        return conn, False
+
+    async def post_stream(self, request: bytes, sink: StreamSink) -> tuple[int, bytes, bool]:
+        """Send ``request`` (from ``request_bytes``); (HTTP status, error body, the message ended).
+
+        A 200 body goes to ``sink`` as it arrives; another status's body (up to 64 KiB) is
+        returned. Raises ``ServerUnreachableError`` when the connection fails or is lost before
+        ``[DONE]``, ``StageError`` when the response is not HTTP or the sink rejects a chunk.
+        Cancellation (e.g. a timeout around the call) drops the connection.
+        """
+        for attempt in (0, 1):
+            conn, reused = await self._acquire()
+            try:
+                await conn.begin(request, sink)
+            except ServerUnreachableError:
+                self._drop(conn)
+                if reused and not conn.got_bytes and attempt == 0:
+                    continue  # the server closed this idle keep-alive connection: not a failure
+                raise
+            except BaseException:
+                self._drop(conn)
+                raise
+            if conn.reusable:
+                self._idle.append(conn)
+            else:
+                self._drop(conn)
+            return conn.status, bytes(conn.error_body), conn.message_complete
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.close()
+        self._all.discard(conn)
 
 
 def fetch_model_name(session: requests.Session, base_url: str, api_key: str | None = None,

@@ -1,31 +1,41 @@
 """The serving load generator (SGLang's ``bench_serving``, trimmed to what the gate needs).
 
-One asyncio event loop and one ``aiohttp.ClientSession`` (keep-alive connections, a
-``TCPConnector`` sized to the concurrency) send every request as a stream; SSE lines are
-parsed with orjson, and output tokens come from the server's counters (native
-``meta_info.completion_tokens``, OpenAI ``usage``), never from tokenizing chunks — a load
-generator that burns CPU per chunk measures itself.
+One event loop (uvloop when installed) and one ``protocol.StreamingClient`` (keep-alive
+HTTP/1.1 connections, responses parsed by httptools) send every request as a stream. Body
+bytes are handled in the socket callback: SSE events are split at the bytes level, SGLang
+chunks are not decoded (only their ``completion_tokens``; the last one in full), OpenAI
+chunks with orjson; per chunk only an arrival time and a cumulative count are kept, and
+the latencies are computed once per request with numpy. Output tokens come from the
+server's counters (native ``meta_info.completion_tokens``, OpenAI ``usage``), never from
+tokenizing chunks. A load generator that burns CPU per chunk measures itself: see
+``benchmarks/loadgen_cost.py`` (issue 7).
 
 Arrivals follow a schedule computed up front from a seeded generator: ``poisson``
 (exponential gaps at ``request_rate``), ``constant`` (``1/request_rate`` gaps) or
-``all-at-once`` (``request_rate=inf`` means all at once for any arrival kind). Each request
-sleeps until its scheduled time, so a slow request never delays the next send; the client's
-own health is measured as the *dispatch lag* (actual minus scheduled send) and a run whose
-p99 lag exceeds ``max_dispatch_lag_p99_ms`` is flagged ``client_fell_behind``. Waiting for a
-``max_concurrency`` slot is intended back-pressure, recorded separately as ``queue_wait_ms``.
+``all-at-once`` (``request_rate=inf`` means all at once for any arrival kind). A dispatcher
+thread releases each request to the loop at its scheduled time (sub-millisecond, unlike the
+loop's 1 ms timers), so a slow request never delays the next send. The client's own health
+is measured: the *dispatch lag* (release minus scheduled time; a run whose p99 exceeds
+``max_dispatch_lag_p99_ms`` is flagged ``client_fell_behind``) and, for Poisson arrivals, a KS
+test of the released gaps (``arrival_fit_rejected`` below ``stats.ARRIVAL_KS_ALPHA``);
+``client_valid`` is False when either failed, and the gate must not trust such a run.
+Waiting for a ``max_concurrency`` slot is intended back-pressure, recorded separately as
+``queue_wait_ms``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import math
+import re
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import aiohttp
 import numpy as np
 import orjson
 import pandas as pd
@@ -34,10 +44,15 @@ from tqdm import tqdm
 
 from servegate.bench import protocol as proto
 from servegate.bench.datasets import DatasetRow, load_sharegpt, sample_random_requests
-from servegate.bench.stats import arrival_ks_pvalue, summarize_serving
+from servegate.bench.stats import ARRIVAL_KS_ALPHA, arrival_ks_pvalue, client_validity, summarize_serving
 from servegate.config import ServingConfig
 from servegate.engines.base import Engine
 from servegate.errors import InfraError, InsufficientDataError, ServerUnreachableError, StageError
+
+try:  # uvloop roughly halves the event loop's cost per streamed chunk; optional
+    import uvloop
+except ImportError:  # pragma: no cover - depends on the environment
+    uvloop = None
 
 __all__ = ["REQUEST_COLUMNS", "ServingResult", "arrival_schedule", "build_requests", "run_serving"]
 
@@ -50,7 +65,14 @@ REQUEST_COLUMNS: Final = [
 # The arrival gaps get their own random stream, so that they are not the same bits the
 # dataset drew its prompts from with the same seed.
 _ARRIVAL_STREAM: Final = 0xA7
-_READ_BUFSIZE: Final = 10 * 1024**2  # as SGLang: a full 64 KiB buffer stalls big streams
+# proto.native_completion_tokens, inlined in the per-chunk path.
+_COMPLETION_KEY: Final = b'"completion_tokens":'
+_COMPLETION_KEY_LEN: Final = len(_COMPLETION_KEY)
+_INT_AFTER_KEY: Final = re.compile(rb"\s*(\d+)")
+# An OpenAI chunk with exactly one unfinished choice (compact JSON, as vLLM and SGLang send).
+# Neither key can occur inside a JSON string (its quotes would be escaped).
+_OPENAI_TOKEN_CHUNK: Final = b'"finish_reason":null'
+_FINISH_KEY: Final = b'"finish_reason"'
 
 
 @dataclass
@@ -96,7 +118,7 @@ def build_requests(cfg: ServingConfig, tokenizer: Any | None = None) -> list[Dat
 class _Outcome:
     ttft_s: float = math.nan
     latency_s: float = math.nan
-    itls_s: list[float] = field(default_factory=list)
+    itls_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     prompt_tokens: int | None = None
     output_tokens: int = 0
     success: bool = False
@@ -105,68 +127,151 @@ class _Outcome:
     """connection | timeout | http | stream | protocol."""
 
 
-async def _stream_one(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                      protocol: str, timeout: aiohttp.ClientTimeout) -> _Outcome:
-    out = _Outcome()
-    st = time.perf_counter()
-    last_ts = st
-    count = 0  # cumulative output tokens seen so far
-    usage_total: int | None = None
-    saw_done = False
-    try:
-        async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
-            if resp.status != 200:
-                text = await resp.text()
-                out.error, out.error_kind = f"HTTP {resp.status}: {text[:500]}", "http"
-                return out
-            async for line in resp.content:
-                data = proto.parse_sse_line(line)
-                if data is None:
-                    continue
-                if data is proto.SSE_DONE:
-                    saw_done = True
-                    break
-                if protocol == "native":
-                    ev = proto.native_event(data)
-                    new_count = ev.completion_tokens if ev.completion_tokens is not None else count + 1
-                    if ev.prompt_tokens is not None:
-                        out.prompt_tokens = int(ev.prompt_tokens)
-                else:
-                    events = proto.openai_events(data)
-                    prompt_tokens, completion = proto.openai_usage(data)
-                    if prompt_tokens is not None:
-                        out.prompt_tokens = int(prompt_tokens)
-                    if not events:  # the include_usage summary chunk, or a finish-only chunk
-                        if completion is not None:
-                            usage_total = completion
-                        continue
-                    new_count = completion if completion is not None else count + 1
-                n_new = new_count - count
-                if n_new <= 0:
-                    continue  # a chunk without new tokens (e.g. a finish-only chunk)
-                ts = time.perf_counter()
-                if count == 0:
-                    out.ttft_s = ts - st
-                else:
-                    # Several tokens in one chunk (speculative decoding, stream_interval>1):
-                    # spread the gap over them, as SGLang's bench_serving does.
-                    out.itls_s.extend([(ts - last_ts) / n_new] * n_new)
-                last_ts = ts
+class _Sink:
+    """Per-request stream state: fed body bytes straight from the socket callback.
+
+    Per token-bearing chunk it keeps only when its bytes arrived and the cumulative count
+    after it; latencies are computed once at the end, not per chunk.
+    """
+
+    __slots__ = ("native", "out", "decoder", "times", "counts", "count", "usage_total", "last_payload",
+                 "end_ts", "done")
+
+    def __init__(self, native: bool, out: _Outcome) -> None:
+        self.native = native
+        self.out = out
+        self.decoder = proto.SSEDecoder()
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.count = 0
+        self.usage_total: int | None = None
+        self.last_payload = b""
+        self.end_ts = math.nan
+        """When the last byte that mattered arrived: the [DONE] event, else the last body bytes."""
+        self.done = False
+
+    def feed(self, data: bytes, ts: float) -> bool:
+        return self._take(self.decoder.feed(data), ts)
+
+    def close(self) -> None:
+        """Take an event the server ended without its blank line."""
+        if not self.done:
+            self._take(self.decoder.close(), self.end_ts)
+
+    def _take(self, payloads: list[bytes], ts: float) -> bool:
+        # The hot path of the load generator: runs once per streamed chunk, in the socket
+        # callback. Keep it to a few bytes operations (native) or one orjson.loads (OpenAI).
+        count = self.count
+        self.end_ts = ts
+        for payload in payloads:
+            if payload == b"[DONE]":
+                self.done = True
+                break
+            if self.native:
+                k = payload.rfind(_COMPLETION_KEY)
+                m = _INT_AFTER_KEY.match(payload, k + _COMPLETION_KEY_LEN) if k >= 0 else None
+                new_count = int(m.group(1)) if m else _native_slow(payload, count)
+                self.last_payload = payload
+            elif _OPENAI_TOKEN_CHUNK in payload and payload.count(_FINISH_KEY) == 1:
+                # One choice, not finished: a token chunk; its count is the cumulative usage
+                # when the server sends one, else one more. Read without decoding the chunk.
+                k = payload.rfind(_COMPLETION_KEY)
+                m = _INT_AFTER_KEY.match(payload, k + _COMPLETION_KEY_LEN) if k >= 0 else None
+                new_count = int(m.group(1)) if m else count + 1
+                self.last_payload = payload
+            else:
+                new_count = self._openai(payload, count)
+            if new_count > count:
+                self.times.append(ts)
+                self.counts.append(new_count)
                 count = new_count
-        out.latency_s = time.perf_counter() - st
-    except asyncio.TimeoutError:
-        out.error, out.error_kind = f"no complete answer within {timeout.total} s", "timeout"
+        self.count = count
+        return self.done
+
+    def _openai(self, payload: bytes, count: int) -> int:
+        """Cumulative output tokens after one ``/v1/completions`` chunk.
+
+        The include_usage summary chunk (no choices) and a finish-only chunk carry no token;
+        their ``usage`` is the request's final count. Anything but one choice (an error chunk,
+        a batch) goes through ``protocol.openai_events``, which raises on an error.
+        """
+        try:
+            data = orjson.loads(payload)
+            usage = data.get("usage")
+            completion = None
+            if usage:
+                completion = usage.get("completion_tokens")
+                prompt = usage.get("prompt_tokens")
+                if prompt is not None:
+                    self.out.prompt_tokens = int(prompt)
+                if completion is not None:
+                    completion = int(completion)
+            choices = data.get("choices")
+            if choices and len(choices) == 1:
+                ch = choices[0]
+                has_token = ch.get("text") or ch.get("finish_reason") is None
+            else:
+                has_token = bool(proto.openai_events(data))
+        except orjson.JSONDecodeError:
+            proto.parse_sse_payload(payload)  # raises StageError naming the chunk
+            raise AssertionError("unreachable") from None  # pragma: no cover
+        except (AttributeError, TypeError, KeyError, ValueError) as exc:
+            raise StageError(f"malformed /v1/completions stream chunk ({exc}): {payload[:200]!r}") from exc
+        if not has_token:
+            if completion is not None:
+                self.usage_total = completion
+            return count
+        return completion if completion is not None else count + 1
+
+
+def _native_slow(payload: bytes, count: int) -> int:
+    data = proto.parse_sse_payload(payload)
+    if data is proto.SSE_DONE:
+        return count
+    ev = proto.native_event(data)  # type: ignore[arg-type]  # raises StageError on an error chunk
+    return ev.completion_tokens if ev.completion_tokens is not None else count + 1
+
+
+async def _stream_one(client: proto.StreamingClient, request: bytes, protocol: str, timeout_s: float) -> _Outcome:
+    out = _Outcome()
+    native = protocol == "native"
+    sink = _Sink(native, out)
+    st = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            status, error_body, _ = await client.post_stream(request, sink)
+        if status != 200:
+            text = error_body.decode("utf-8", "replace")
+            out.error, out.error_kind = f"HTTP {status}: {text[:500]}", "http"
+            return out
+        sink.close()
+        saw_done = sink.done
+        if sink.last_payload and (native or out.prompt_tokens is None):
+            # Only the last token chunk is decoded in full, for the prompt length (native
+            # meta_info; OpenAI usage when no include_usage summary chunk gave it).
+            last = proto.parse_sse_payload(sink.last_payload)
+            if last is not proto.SSE_DONE:
+                out.prompt_tokens = (proto.native_event(last).prompt_tokens if native  # type: ignore[arg-type]
+                                     else proto.openai_usage(last)[0])  # type: ignore[arg-type]
+    except TimeoutError:
+        out.error, out.error_kind = f"no complete answer within {timeout_s} s", "timeout"
         return out
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-        out.error, out.error_kind = f"{type(exc).__name__}: {exc}", "connection"
-        return out
-    except aiohttp.ClientError as exc:
-        out.error, out.error_kind = f"{type(exc).__name__}: {exc}", "http"
+    except ServerUnreachableError as exc:
+        out.error, out.error_kind = str(exc), "connection"
         return out
     except StageError as exc:
         out.error, out.error_kind = str(exc), "protocol"
         return out
-    out.output_tokens = int(usage_total) if usage_total is not None else count
+    out.latency_s = (sink.end_ts if not math.isnan(sink.end_ts) else time.perf_counter()) - st
+    times, counts, count = sink.times, sink.counts, sink.count
+    if times:
+        out.ttft_s = times[0] - st
+    if len(times) > 1:
+        # Several tokens in one chunk (speculative decoding, stream_interval>1): spread the
+        # gap over them, as SGLang's bench_serving does.
+        n_new = np.diff(np.asarray(counts))
+        out.itls_s = np.repeat(np.diff(np.asarray(times)) / n_new, n_new)
+    out.output_tokens = int(sink.usage_total) if sink.usage_total is not None else count
     if not saw_done:
         out.error, out.error_kind = f"stream ended before [DONE] after {count} tokens", "stream"
     elif count == 0:
@@ -182,38 +287,69 @@ def _body(protocol: str, model: str | None, row: DatasetRow) -> bytes:
     return orjson.dumps(proto.openai_completions_body(model or "", row.prompt, row.output_len, stream=True))
 
 
-async def _run_load(rows: list[DatasetRow], schedule: np.ndarray, url: str, protocol: str, model: str | None,
-                    cfg: ServingConfig, api_key: str | None) -> tuple[list[dict[str, Any]], float]:
-    headers = {"Content-Type": "application/json", **proto.auth_headers(api_key)}
-    bodies = [_body(protocol, model, r) for r in rows]  # serialized before the clock starts
-    concurrency = cfg.max_concurrency or len(rows)
-    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+async def _run_load(rows: list[DatasetRow], schedule: np.ndarray, base_url: str, protocol: str,
+                    model: str | None, cfg: ServingConfig, api_key: str | None) -> tuple[list[dict[str, Any]], float]:
+    path = proto.GENERATE_PATH if protocol == "native" else proto.COMPLETIONS_PATH
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     records: list[dict[str, Any]] = [{} for _ in rows]
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector, read_bufsize=_READ_BUFSIZE) as session:
+    async with proto.StreamingClient(base_url, proto.auth_headers(api_key)) as client:
+        # Whole HTTP requests, serialized before the clock starts.
+        requests_bytes = [client.request_bytes(path, _body(protocol, model, r)) for r in rows]
         with tqdm(total=len(rows), desc="serving", unit="req", file=sys.stderr,
                   disable=not cfg.progress) as pbar:
-            t0 = time.perf_counter()
 
-            async def one(i: int) -> None:
-                delay = t0 + schedule[i] - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                dispatched = time.perf_counter()
+            async def one(i: int, dispatched: float) -> None:
                 if semaphore is None:
                     sent = time.perf_counter()
-                    outcome = await _stream_one(session, url, bodies[i], headers, protocol, timeout)
+                    outcome = await _stream_one(client, requests_bytes[i], protocol, cfg.request_timeout_s)
                 else:
                     async with semaphore:
                         sent = time.perf_counter()
-                        outcome = await _stream_one(session, url, bodies[i], headers, protocol, timeout)
+                        outcome = await _stream_one(client, requests_bytes[i], protocol, cfg.request_timeout_s)
                 finished = time.perf_counter()
                 records[i] = _record(i, rows[i], float(schedule[i]), dispatched - t0, sent - t0,
                                      finished - t0, outcome)
                 pbar.update(1)
 
-            await asyncio.gather(*(one(i) for i in range(len(rows))))
+            # A dispatcher thread walks the schedule and hands each request to the loop when
+            # it is due. Event-loop timers have 1 ms resolution (uvloop's fire up to ~1 ms
+            # early, asyncio's up to ~1 ms late) and a late timer sends every request due in
+            # the meantime as one burst, so the sub-millisecond gaps of a Poisson process
+            # vanish and the arrival fit is rejected; a thread's sleep is precise to ~0.1 ms
+            # and costs nothing while it waits (no spinning next to the engine).
+            loop = asyncio.get_running_loop()
+            tasks: list[asyncio.Task[None]] = []
+            all_sent = loop.create_future()
+            stop = threading.Event()
+            plan = schedule.tolist()
+
+            def start(i: int) -> None:
+                tasks.append(loop.create_task(one(i, time.perf_counter())))
+                if len(tasks) == len(plan) and not all_sent.done():
+                    all_sent.set_result(None)
+
+            def dispatch() -> None:
+                for i, at in enumerate(plan):
+                    delay = t0 + at - time.perf_counter()
+                    if delay > 0 and stop.wait(delay):
+                        return
+                    try:
+                        loop.call_soon_threadsafe(start, i)
+                    except RuntimeError:  # the loop closed: the run was cancelled or failed
+                        return
+
+            t0 = time.perf_counter()
+            if plan and plan[-1] == 0.0:
+                for i in range(len(plan)):  # all at once: no thread needed
+                    start(i)
+            else:
+                threading.Thread(target=dispatch, name="serving-dispatch", daemon=True).start()
+            try:
+                if plan:
+                    await all_sent
+                await asyncio.gather(*tasks)
+            finally:
+                stop.set()
     return records, t0
 
 
@@ -238,7 +374,7 @@ def _record(i: int, row: DatasetRow, scheduled: float, dispatched: float, sent: 
         "ttft_ms": ttft_ms if o.success else math.nan,
         "e2e_latency_ms": e2e_ms if o.success else math.nan,
         "tpot_ms": tpot_ms,
-        "itls_ms": [x * 1000.0 for x in o.itls_s] if o.success else [],
+        "itls_ms": (o.itls_s * 1000.0).tolist() if o.success else [],
         "finished_s": finished,
         "success": o.success,
         "error": o.error,
@@ -246,14 +382,24 @@ def _record(i: int, row: DatasetRow, scheduled: float, dispatched: float, sent: 
     }
 
 
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
 def _run_coroutine(coro: Any) -> Any:
-    """asyncio.run, also from a thread that already runs an event loop (e.g. a notebook)."""
+    """Run ``coro`` on a fresh event loop (uvloop when installed), also from a thread that
+    already runs an event loop (e.g. a notebook)."""
+
+    def run() -> Any:
+        with asyncio.Runner(loop_factory=_new_event_loop) as runner:
+            return runner.run(coro)
+
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        return run()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return pool.submit(run).result()
 
 
 def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str | None = None, *,
@@ -281,9 +427,21 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
         "dataset": cfg.dataset, "dataset_path": cfg.dataset_path, "num_prompts": len(rows),
         "arrival": cfg.arrival, "request_rate": cfg.request_rate, "max_concurrency": cfg.max_concurrency,
         "protocol": protocol, "seed": cfg.seed, "model": model, "notes": [],
+        "event_loop": "uvloop" if uvloop is not None else "asyncio",
     }
-    records, _ = _run_coroutine(_run_load(rows, schedule, proto.generate_url(base_url, protocol), protocol,
-                                          model, cfg, api_key))
+    # A full garbage collection walks every object the process holds (pandas, scipy, torch
+    # when in-process: hundreds of thousands) and stalls the event loop for tens of ms, which
+    # shows as dispatch lag and bursty arrivals. Freeze what exists into the permanent
+    # generation and pause the collector for the run; the run itself makes few cycles.
+    gc_was_enabled = gc.isenabled()
+    gc.freeze()
+    gc.disable()
+    try:
+        records, _ = _run_coroutine(_run_load(rows, schedule, base_url, protocol, model, cfg, api_key))
+    finally:
+        gc.unfreeze()
+        if gc_was_enabled:
+            gc.enable()
     requests_df = pd.DataFrame(records, columns=REQUEST_COLUMNS)
     for col in ("input_tokens", "planned_input_tokens", "output_tokens", "planned_output_tokens"):
         requests_df[col] = requests_df[col].astype("Int64")
@@ -307,12 +465,21 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
         raise
     summary["connection_errors"] = int((failed["error_kind"] == "connection").sum())
     summary["arrival_ks_pvalue"] = math.nan
+    summary["scheduled_arrival_ks_pvalue"] = math.nan
     if cfg.arrival == "poisson" and math.isfinite(cfg.request_rate):
         try:
             summary["arrival_ks_pvalue"] = arrival_ks_pvalue(requests_df["dispatched_s"].to_numpy(),
                                                              cfg.request_rate)
+            # The seeded plan itself, so that a rejection can be told apart from a client fault.
+            summary["scheduled_arrival_ks_pvalue"] = arrival_ks_pvalue(schedule, cfg.request_rate)
         except InsufficientDataError as exc:
             meta["notes"].append(f"arrival KS test not run: {exc}")
+    summary.update(client_validity(summary["client_fell_behind"], summary["arrival_ks_pvalue"]))
+    if not summary["client_valid"]:
+        meta["notes"].append(
+            f"client not valid: dispatch lag p99 {summary['dispatch_lag_p99_ms']:.2f} ms "
+            f"(limit {cfg.max_dispatch_lag_p99_ms} ms), arrival KS p-value {summary['arrival_ks_pvalue']:.3g} "
+            f"(rejected below {ARRIVAL_KS_ALPHA}); the load was not the one asked for")
     summary.update(arrival=cfg.arrival, request_rate=cfg.request_rate,
                    max_concurrency=cfg.max_concurrency if cfg.max_concurrency else math.nan,
                    protocol=protocol, num_prompts=len(rows))

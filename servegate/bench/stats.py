@@ -23,12 +23,16 @@ __all__ = [
     "describe",
     "latency_block",
     "goodput_mask",
+    "ARRIVAL_KS_ALPHA",
     "arrival_ks_pvalue",
+    "client_validity",
     "summarize_serving",
 ]
 
 STAT_NAMES: Final = ("mean", "median", "std", "p90", "p95", "p99")
 LATENCY_METRICS: Final = ("ttft", "tpot", "itl", "e2e_latency")
+ARRIVAL_KS_ALPHA: Final = 0.01
+"""Arrival fit rejected below this KS p-value (issue 7: Poisson arrivals not rejected at 1 %)."""
 
 
 def describe(values: Sequence[float] | np.ndarray, what: str) -> dict[str, float]:
@@ -90,12 +94,21 @@ def arrival_ks_pvalue(send_times_s: Sequence[float] | np.ndarray, rate: float) -
     return float(scipy_stats.kstest(gaps, "expon", args=(0.0, 1.0 / rate)).pvalue)
 
 
-def _concat(lists: Iterable[Any]) -> list[float]:
-    out: list[float] = []
-    for item in lists:
-        if isinstance(item, (list, tuple, np.ndarray)):
-            out.extend(float(x) for x in item)
-    return out
+def client_validity(client_fell_behind: bool, arrival_pvalue: float) -> dict[str, bool]:
+    """``arrival_fit_rejected`` and ``client_valid`` of a serving run.
+
+    The fit is rejected when the KS p-value of the dispatched arrivals is below
+    ``ARRIVAL_KS_ALPHA`` (NaN — not a Poisson run — is not a rejection). A run is valid when
+    the client kept its schedule (``not client_fell_behind``) and its arrivals fit; an invalid
+    run measured another load than the one asked for, so the gate must not trust it.
+    """
+    rejected = bool(not math.isnan(arrival_pvalue) and arrival_pvalue < ARRIVAL_KS_ALPHA)
+    return {"arrival_fit_rejected": rejected, "client_valid": bool(not client_fell_behind and not rejected)}
+
+
+def _concat(lists: Iterable[Any]) -> np.ndarray:
+    arrays = [np.asarray(item, dtype=float) for item in lists if isinstance(item, (list, tuple, np.ndarray))]
+    return np.concatenate(arrays) if arrays else np.zeros(0)
 
 
 def summarize_serving(requests: pd.DataFrame, duration_s: float, *, slo_ttft_ms: float | None = None,

@@ -54,7 +54,7 @@ def serving_summary_table(n: int = 1000) -> pd.DataFrame:
     row = {"completed": n, "failed": 0, "duration_s": 60.0, "request_throughput": 4.0, "input_throughput": 256.0,
            "output_throughput": 96.0, "total_input_tokens": 64 * n, "total_output_tokens": 24 * n,
            "goodput": 4.0, "dispatch_lag_p50_ms": 0.5, "dispatch_lag_p99_ms": 3.0, "client_fell_behind": False,
-           "num_prompts": n}
+           "num_prompts": n, "client_valid": True}
     for metric, base in [("ttft", 150.0), ("tpot", 30.0), ("itl", 30.0), ("e2e_latency", 900.0)]:
         for stat, factor in [("mean", 1.0), ("median", 1.0), ("std", 0.1), ("p90", 1.5), ("p95", 1.7), ("p99", 2.0)]:
             row[f"{stat}_{metric}_ms"] = base * factor
