@@ -265,3 +265,34 @@ def test_vllm_cpu_profile_loads() -> None:
     assert cfg.worker.budget().cpu_kvcache_space_gib == 2
     assert get_engine(cfg.worker.engine).launch_env(cfg.worker)["VLLM_SERVER_DEV_MODE"] == "1"
     assert cfg.validate_.expectation_profile == "vllm-cpu"
+
+
+@needs_vllm
+@pytest.mark.timeout(1500)
+def test_vllm_cpu_gate_passes_end_to_end(tmp_path: Path) -> None:
+    """`servegate run --profile vllm-cpu` against a real vLLM: launch, OpenAI routes, reset_prefix_cache,
+    occupancy reported as not applicable, vLLM's own gauges recorded; verdict pass."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    _model_dir()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "SERVEGATE_DB": str(tmp_path / "h.db"),
+           "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "servegate", "run", "--profile", "vllm-cpu", "--json",
+           "--output-dir", str(tmp_path / "runs")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1400)
+    out = proc.stdout
+    verdict = json.loads(out[out.find("{"):])
+    assert proc.returncode == 0, f"{json.dumps(verdict, indent=1)}\n{proc.stderr[-3000:]}"
+    run_dir = Path(verdict["run_dir"])
+    stages = json.loads((run_dir / "stages.json").read_text())
+    assert stages["flush:serving"]["status"] == "ok" and stages["serving"]["status"] == "ok"
+    import pandas as pd
+
+    occupancy = pd.read_csv(run_dir / "occupancy_summary.csv")
+    assert not bool(occupancy.loc[0, "fwd_occupancy_applicable"])
+    assert occupancy["kv_cache_usage_max"].notna().all()
+    assert pd.read_csv(run_dir / "serving_summary.csv").loc[0, "protocol"] == "openai"
