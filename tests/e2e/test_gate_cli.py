@@ -79,6 +79,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
                  "serving_summary.csv", "occupancy_samples.csv", "occupancy_summary.csv"):
         assert (run_dir / name).is_file(), f"{name} missing from {sorted(p.name for p in run_dir.iterdir())}"
     stages = json.loads((run_dir / "stages.json").read_text())
+    assert stages.pop("compare")["status"] == "skipped"  # smoke has no baseline comparison
     assert all(s["status"] == "ok" for s in stages.values()), stages
     rows = [json.loads(line) for line in (run_dir / "one_batch.jsonl").read_text().splitlines()]
     # the smoke grid has one case past the worker's max running requests: a row with its reason
