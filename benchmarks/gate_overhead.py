@@ -81,24 +81,9 @@ def run_gate(profile: str, overrides: list[str], output_dir: Path, timeout_s: fl
 
 
 def _end_tree(pid: int) -> None:
-    import psutil
+    from servegate.launch import terminate_tree
 
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = [root, *root.children(recursive=True)]
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    terminate_tree(pid, timeout_s=15)
 
 
 def from_run_dir(run_dir: Path) -> dict[str, Any]:

@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import requests
+
+from servegate.launch import terminate_tree
 
 READY_TIMEOUT_S = 120.0
 
@@ -60,23 +61,7 @@ class WorkerProcess:
         return self.proc.wait(timeout=timeout_s)
 
     def stop(self) -> None:
-        try:
-            parent = psutil.Process(self.proc.pid)
-            procs = [parent, *parent.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            procs = []
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        terminate_tree(self.proc.pid, timeout_s=10)
         if self.proc.poll() is None:
             self.proc.wait(timeout=5)
         self._log.close()
