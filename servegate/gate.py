@@ -181,6 +181,16 @@ class GateRun:
                 f"the worker exited (code {self.worker.returncode}) during {stage}; its measurements are kept in "
                 f"{self.path} but not trusted. Log tail:\n{self.worker.log_tail(20)}")
 
+    def skipped(self, stage: str) -> bool:
+        """True (and the skip recorded with its reason) when ``stage`` is disabled or blocked."""
+        if not self.stage_enabled(stage):
+            self.skip(stage, "disabled in config")
+            return True
+        if (reason := self.blocked_reason(stage)) is not None:
+            self.skip(stage, reason)
+            return True
+        return False
+
     def skip(self, stage: str, reason: str, status: str = "skipped") -> None:
         self.stages[stage] = StageOutcome(stage, status, error=reason)
         self._write_stages(self.stages[stage])

@@ -15,11 +15,7 @@ STAGE = "occupancy"
 @task(name="occupancy", cache_policy=NO_CACHE)
 def occupancy(run: GateRun) -> int:
     """Scrape during a long request; returns the number of scrapes."""
-    if not run.config.occupancy.enabled:
-        run.skip(STAGE, "disabled in config")
-        return 0
-    if (reason := run.blocked_reason(STAGE)) is not None:
-        run.skip(STAGE, reason)
+    if run.skipped(STAGE):
         return 0
     with run.stage(STAGE) as outcome:
         result = run_occupancy(run.base_url, run.engine, run.config.occupancy, api_key=run.api_key)

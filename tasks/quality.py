@@ -15,11 +15,7 @@ STAGE = "quality"
 @task(name="quality", cache_policy=NO_CACHE)
 def quality(run: GateRun) -> int:
     """Score the multiple-choice set and the reference prompts; returns the items scored."""
-    if not run.config.quality.enabled:
-        run.skip(STAGE, "disabled in config")
-        return 0
-    if (reason := run.blocked_reason(STAGE)) is not None:
-        run.skip(STAGE, reason)
+    if run.skipped(STAGE):
         return 0
     with run.stage(STAGE) as outcome:
         result = run_quality(run.base_url, run.engine, run.config.quality, api_key=run.api_key,

@@ -15,11 +15,7 @@ STAGE = "serving"
 @task(name="serving", cache_policy=NO_CACHE)
 def serving(run: GateRun) -> int:
     """Run the load; returns the number of requests sent."""
-    if not run.config.serving.enabled:
-        run.skip(STAGE, "disabled in config")
-        return 0
-    if (reason := run.blocked_reason(STAGE)) is not None:
-        run.skip(STAGE, reason)
+    if run.skipped(STAGE):
         return 0
     with run.stage(STAGE) as outcome:
         try:

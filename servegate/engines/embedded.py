@@ -13,7 +13,8 @@ import requests
 
 from servegate.config import WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity
-from servegate.engines.sglang import SGLANG_METRIC_NAMES, fetch_sglang_server_info, parse_server_info, sglang_flush
+from servegate.engines.sglang import (SGLANG_METRIC_NAMES, fetch_sglang_server_info, parse_server_info,
+                                     sglang_common_flags, sglang_flush)
 from servegate.errors import StageError
 
 __all__ = ["EmbeddedEngine"]
@@ -34,14 +35,7 @@ class EmbeddedEngine(Engine):
             cmd += ["--max-total-tokens", str(budget.max_total_tokens)]
         if budget.max_running_requests is not None:
             cmd += ["--max-running-requests", str(budget.max_running_requests)]
-        if spec.enable_metrics:
-            cmd += ["--enable-metrics"]
-        if spec.speculative_num_draft_tokens is not None:
-            cmd += ["--speculative-algorithm", "NGRAM",
-                    "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
-        if spec.api_key:
-            cmd += ["--api-key", spec.api_key]
-        return cmd + list(spec.extra_args)
+        return cmd + sglang_common_flags(spec)
 
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,
               request_timeout_s: float | None = None) -> bool:

@@ -120,6 +120,19 @@ def sglang_flush(session: requests.Session, base_url: str, timeout_s: float,
     )
 
 
+def sglang_common_flags(spec: WorkerSpec) -> list[str]:
+    """The flags SGLang and the embedded worker spell alike, then the user's extra args (last)."""
+    flags: list[str] = []
+    if spec.enable_metrics:
+        flags += ["--enable-metrics"]
+    if spec.speculative_num_draft_tokens is not None:
+        flags += ["--speculative-algorithm", "NGRAM",
+                  "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
+    if spec.api_key:
+        flags += ["--api-key", spec.api_key]
+    return flags + list(spec.extra_args)
+
+
 class SGLangEngine(Engine):
     name: ClassVar[str] = "sglang"
     protocol: ClassVar[Protocol] = "native"
@@ -143,14 +156,7 @@ class SGLangEngine(Engine):
             cmd += ["--max-running-requests", str(budget.max_running_requests)]
         if budget.cuda_graph_max_bs is not None:
             cmd += ["--cuda-graph-max-bs", str(budget.cuda_graph_max_bs)]
-        if spec.enable_metrics:
-            cmd += ["--enable-metrics"]
-        if spec.speculative_num_draft_tokens is not None:
-            cmd += ["--speculative-algorithm", "NGRAM",
-                    "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
-        if spec.api_key:
-            cmd += ["--api-key", spec.api_key]
-        return cmd + list(spec.extra_args)
+        return cmd + sglang_common_flags(spec)
 
     def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
         env: dict[str, str] = {}
