@@ -111,6 +111,12 @@ def build_app(state: WorkerState) -> FastAPI:
     def not_ready() -> Response:
         return _error("the worker is starting (model loading); retry when GET /health answers 200", 503)
 
+    async def json_object(http: HttpRequest) -> dict[str, Any]:
+        body = orjson.loads(await http.body())
+        if not isinstance(body, dict):
+            raise ConfigError("the request body must be a JSON object")
+        return body
+
     def injected_error() -> Response | None:
         if state.faults.error_rate and state.error_rng.random() < state.faults.error_rate:
             return _error("fault injection: --fault-error-rate answered this request with 500", 500)
@@ -276,9 +282,7 @@ def build_app(state: WorkerState) -> FastAPI:
         if engine is None:
             return not_ready()
         try:
-            body = orjson.loads(await http.body())
-            if not isinstance(body, dict):
-                raise ConfigError("the request body must be a JSON object")
+            body = await json_object(http)
             reqs, batched = parse_generate(body)
             if (fault := injected_error()) is not None:
                 return fault
@@ -420,9 +424,7 @@ def build_app(state: WorkerState) -> FastAPI:
         if engine is None:
             return not_ready()
         try:
-            body = orjson.loads(await http.body())
-            if not isinstance(body, dict):
-                raise ConfigError("the request body must be a JSON object")
+            body = await json_object(http)
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
