@@ -5,6 +5,7 @@
     servegate worker [--model smollm2-135m] [--host 127.0.0.1] [--port P] ...
     servegate model fetch [--model smollm2-135m]
     servegate profiles
+    servegate calibrate [--profile NAME] [--aa-runs N] [--slowdowns 5,10,30] [--bounds 0.02,0.05] [--json]
 
 Exit codes of ``run`` and ``rerun``: 0 pass, 1 regression (fail), 2 could not decide (inconclusive,
 bad input, infra failure).
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     from servegate import engine_install
 
     engine_install.add_arguments(sub)  # engine install NAME, engine path NAME
+    from servegate import calibrate
+
+    calibrate.add_arguments(sub)  # calibrate [--profile ...] [--aa-runs N] [--slowdowns 5,10,30]
     return parser
 
 

@@ -10,6 +10,16 @@ per token, per scrape) are compared with the baseline runs' pooled raw samples:
   samples from the chosen runs — so that run-to-run noise between baseline nights widens the
   interval instead of being averaged away. Sides larger than :data:`MAX_SAMPLES_PER_SIDE` are
   subsampled (seeded) first to bound memory; that only widens the interval (conservative).
+  Inter-token latencies are not independent samples: the tokens of one request share its
+  batch and its neighbours, so ITL is bootstrapped **per request** (a cluster bootstrap:
+  requests are resampled with all their tokens), which is what keeps its interval honest.
+- **run-to-run noise**: a gate run's median carries its own "night" effect (machine state,
+  the worker's start) that no amount of samples inside the run averages away. Its size
+  ``run_sd`` (the standard deviation of log medians between runs) is estimated from the
+  baseline runs when there are at least two, floored by the figure ``servegate calibrate``
+  measured for the metric (``run_noise``), and every bootstrap replicate of the current median
+  is multiplied by ``exp(N(0, run_sd))``. With one baseline run and no calibration the interval
+  holds within-run noise only, and the minimum effect is the only guard against a noisy night.
 - **tail metrics (p99)**: reported always, gated only when the sample size supports a bound.
   The interval comes from exact distribution-free order-statistic intervals for the quantile
   on each side (``scipy.stats.quantile_test``, each at confidence ``sqrt(c)`` so the two together
@@ -62,6 +72,10 @@ __all__ = [
     "DEFAULT_TAIL_BOUND",
     "MAX_SAMPLES_PER_SIDE",
     "extract_samples",
+    "extract_requests",
+    "estimate_run_noise",
+    "calibration_figures",
+    "calibration_summary",
     "ratio_ci_median",
     "ratio_ci_quantile",
     "decide",
@@ -85,8 +99,11 @@ COMPARISON_COLUMNS = [
     "metric", "table", "case", "statistic", "unit", "direction",
     "baseline_median", "current_median", "baseline_value", "current_value",
     "ratio", "ci_low", "ci_high", "confidence", "n_baseline", "n_current", "n_baseline_runs",
-    "bound", "gated", "decision", "reason", "baseline_policy", "baseline_runs",
+    "bound", "gated", "decision", "reason", "baseline_policy", "baseline_runs", "run_sd",
+    "false_alarm_upper95", "min_detectable",
 ]
+"""``run_sd``: the between-run noise term used; ``false_alarm_upper95`` and ``min_detectable``:
+the key's latest ``servegate calibrate`` figures for the row (NaN when uncalibrated)."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +188,103 @@ def extract_samples(metric: GatedMetric, tables: Mapping[str, pd.DataFrame]) -> 
     return out
 
 
+def extract_requests(metric: GatedMetric, tables: Mapping[str, pd.DataFrame]) -> dict[str, list[np.ndarray]]:
+    """A list-column metric's finite samples grouped by row (one array per request), per case:
+    the clusters of the per-request bootstrap. Rows left with no finite sample are dropped."""
+    df = tables.get(metric.table)
+    if not metric.list_column or df is None or metric.column not in df.columns or df.empty:
+        return {}
+    if "success" in df.columns:
+        df = df[df["success"].fillna(False).astype(bool)]
+    out: dict[str, list[np.ndarray]] = {}
+    clusters = []
+    for v in df[metric.column]:
+        if v is None or np.ndim(v) == 0:
+            continue
+        a = np.asarray(v, dtype=float).ravel()
+        a = a[np.isfinite(a)]
+        if a.size:
+            clusters.append(a)
+    if clusters:
+        out[""] = clusters
+    return out
+
+
 # ---- statistics ---------------------------------------------------------------------------
+Samples = np.ndarray | Sequence[np.ndarray]
+"""A side's samples: a flat array of independent samples, or a list of clusters (one array
+per request) whose samples are resampled together."""
+
+MAX_CLUSTERED_VALUES = 200_000
+"""Clustered sides are thinned (whole requests, seeded) beyond this many values: the
+per-request bootstrap costs O(n_boot * n)."""
+
+
+def _flat(samples: Samples) -> np.ndarray:
+    return samples if isinstance(samples, np.ndarray) else np.concatenate(list(samples))
+
+
+def _thin_clusters(clusters: Sequence[np.ndarray], rng: np.random.Generator, cap: int) -> list[np.ndarray]:
+    total = sum(c.size for c in clusters)
+    if total <= cap:
+        return list(clusters)
+    keep = max(1, int(len(clusters) * cap / total))
+    return [clusters[i] for i in sorted(rng.choice(len(clusters), size=keep, replace=False))]
+
+
+def _bootstrap_median_clustered(runs: Sequence[Sequence[np.ndarray]], n_boot: int,
+                                rng: np.random.Generator) -> np.ndarray:
+    """``n_boot`` bootstrap replicates of the median over runs made of clusters (requests).
+
+    Each replicate draws the runs with replacement (each drawn run has equal mass, as in
+    :func:`_bootstrap_median`), then each run's clusters with replacement; a value's weight is
+    its run's mass times its cluster's multiplicity over the run's resampled size, and the
+    replicate's median is the weighted median over the pooled sorted values. Done in chunks of
+    replicates so that memory stays ~32 MB whatever the sample size.
+    """
+    sizes = [np.array([c.size for c in run]) for run in runs]
+    values = np.concatenate([np.concatenate(list(run)) for run in runs])
+    r = len(runs)
+    cluster_of = np.repeat(np.arange(sum(s.size for s in sizes)), np.concatenate(sizes))
+    run_of_cluster = np.repeat(np.arange(r), [s.size for s in sizes])
+    order = np.argsort(values, kind="stable")
+    v, cluster_sorted = values[order], cluster_of[order]
+    lengths = np.concatenate(sizes).astype(float)
+    out = np.empty(n_boot)
+    chunk = max(1, int(4_000_000 // values.size))
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        run_mass = (rng.multinomial(r, np.full(r, 1 / r), size=b) / r) if r > 1 else np.ones((b, 1))
+        mult = np.concatenate([rng.multinomial(s.size, np.full(s.size, 1 / s.size), size=b) for s in sizes], axis=1)
+        resampled = np.stack([(mult[:, run_of_cluster == j] * lengths[run_of_cluster == j]).sum(axis=1)
+                              for j in range(r)], axis=1)  # (b, r) values per resampled run
+        cluster_weight = run_mass[:, run_of_cluster] * mult / resampled[:, run_of_cluster]
+        cdf = np.cumsum(cluster_weight[:, cluster_sorted], axis=1)
+        idx = np.minimum((cdf < 0.5 * cdf[:, -1:]).sum(axis=1), values.size - 1)
+        out[start:start + b] = v[idx]
+    return out
+
+
+def _run_sd(groups: Sequence[Samples], rng: np.random.Generator, n_boot: int = 200) -> float:
+    """Between-run standard deviation of log medians (0 with fewer than two runs).
+
+    A random-effects moment estimate: the spread of the runs' log medians minus the part their
+    own sampling noise explains (each run's bootstrap variance of its log median), floored at 0.
+    """
+    logs, within = [], []
+    for g in groups:
+        boot = (_bootstrap_median_clustered([g], n_boot, rng) if not isinstance(g, np.ndarray)
+                else _bootstrap_median([g], n_boot, rng))
+        median = float(np.median(_flat(g)))
+        if median <= 0 or np.any(boot <= 0):
+            return 0.0
+        logs.append(math.log(median))
+        within.append(float(np.var(np.log(boot), ddof=1)))
+    if len(logs) < 2:
+        return 0.0
+    return math.sqrt(max(0.0, float(np.var(logs, ddof=1)) - float(np.mean(within))))
+
+
 def _thin(values: np.ndarray, rng: np.random.Generator, cap: int) -> np.ndarray:
     return values if values.size <= cap else rng.choice(values, size=cap, replace=False)
 
@@ -211,20 +324,77 @@ def _bootstrap_median(groups: Sequence[np.ndarray], n_boot: int, rng: np.random.
     return v[lo]
 
 
-def ratio_ci_median(current: np.ndarray, baseline_groups: Sequence[np.ndarray], *,
+def estimate_run_noise(runs: Sequence[Mapping[str, pd.DataFrame]], metrics: Sequence[GatedMetric] = GATED_METRICS,
+                       *, seed: int = 0) -> dict[str, float]:
+    """Between-run noise (sd of log medians, sampling noise removed) of each median metric over
+    runs of an unchanged worker; per-case metrics take their noisiest case."""
+    out: dict[str, float] = {}
+    for m_index, metric in enumerate(metrics):
+        if metric.statistic != "median":
+            continue
+        per_run: list[dict[str, Samples]] = []
+        for tables in runs:
+            per_run.append(dict(extract_requests(metric, tables)) if metric.list_column
+                           else dict(extract_samples(metric, tables)))
+        cases = sorted({c for r in per_run for c in r})
+        rng = np.random.default_rng(seed + 31 * m_index)
+        sds = [_run_sd([r[c] for r in per_run if c in r], rng) for c in cases]
+        if sds:
+            out[metric.metric] = max(out.get(metric.metric, 0.0), max(sds))
+    return out
+
+
+def calibration_figures(calibration: Mapping[str, Any] | None, bound: float,
+                        tail_bound: float = DEFAULT_TAIL_BOUND) -> tuple[dict[str, float], dict[tuple[str, str], dict]]:
+    """From a stored calibration (``Store.latest_calibration``): the run noise per metric, and per
+    ``(metric, case)`` the figures recorded for the bound nearest to the one in force."""
+    if not calibration:
+        return {}, {}
+    noise: dict[str, float] = {}
+    best: dict[tuple[str, str], dict] = {}
+    for rec in calibration.get("metrics") or []:
+        sd = rec.get("run_sd")
+        if sd is not None and math.isfinite(float(sd)):
+            noise[rec["metric"]] = max(noise.get(rec["metric"], 0.0), float(sd))
+        target = bound if rec.get("statistic") == "median" else tail_bound
+        k = (rec["metric"], rec.get("case") or "")
+        if k not in best or abs(rec["bound"] - target) < abs(best[k]["bound"] - target):
+            best[k] = dict(rec)
+    return noise, best
+
+
+def ratio_ci_median(current: Samples, baseline_groups: Sequence[Samples], *,
                     confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT,
-                    seed: int = 0) -> tuple[float, float, float]:
-    """``(ratio, ci_low, ci_high)`` of current median / baseline median (percentile bootstrap)."""
+                    seed: int = 0, run_sd: float = 0.0) -> tuple[float, float, float]:
+    """``(ratio, ci_low, ci_high)`` of current median / baseline median (percentile bootstrap).
+
+    Each side is a flat array (independent samples) or a list of clusters (per-request
+    bootstrap); ``baseline_groups`` has one entry per baseline run. ``run_sd`` is the
+    between-run noise (sd of log medians) added to the current run's replicates.
+    """
     rng = np.random.default_rng(seed)
-    current = _thin(current, rng, MAX_SAMPLES_PER_SIDE)
-    pooled = sum(g.size for g in baseline_groups)
-    if pooled > MAX_SAMPLES_PER_SIDE:
-        keep = MAX_SAMPLES_PER_SIDE / pooled
-        baseline_groups = [_thin(g, rng, max(1, int(g.size * keep))) for g in baseline_groups]
-    base_point = float(np.median(np.concatenate(baseline_groups)))
-    ratio = float(np.median(current)) / base_point if base_point != 0 else math.nan
-    cur_boot = _bootstrap_median([current], n_boot, rng)
-    base_boot = _bootstrap_median(baseline_groups, n_boot, rng)
+    clustered = not isinstance(current, np.ndarray)
+    if clustered:
+        current = _thin_clusters(current, rng, MAX_CLUSTERED_VALUES)
+        pooled = sum(_flat(g).size for g in baseline_groups)
+        cap = max(1, MAX_CLUSTERED_VALUES * max(_flat(g).size for g in baseline_groups) // max(pooled, 1))
+        baseline_groups = [_thin_clusters(g, rng, cap) for g in baseline_groups]
+    else:
+        current = _thin(current, rng, MAX_SAMPLES_PER_SIDE)
+        pooled = sum(g.size for g in baseline_groups)
+        if pooled > MAX_SAMPLES_PER_SIDE:
+            keep = MAX_SAMPLES_PER_SIDE / pooled
+            baseline_groups = [_thin(g, rng, max(1, int(g.size * keep))) for g in baseline_groups]
+    base_point = float(np.median(np.concatenate([_flat(g) for g in baseline_groups])))
+    ratio = float(np.median(_flat(current))) / base_point if base_point != 0 else math.nan
+    if clustered:
+        cur_boot = _bootstrap_median_clustered([current], n_boot, rng)
+        base_boot = _bootstrap_median_clustered(baseline_groups, n_boot, rng)
+    else:
+        cur_boot = _bootstrap_median([current], n_boot, rng)
+        base_boot = _bootstrap_median(baseline_groups, n_boot, rng)
+    if run_sd > 0:
+        cur_boot = cur_boot * np.exp(rng.normal(0.0, run_sd, n_boot))
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = cur_boot / base_boot
     ratios = ratios[np.isfinite(ratios)]
@@ -289,12 +459,15 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
                    *, metrics: Sequence[GatedMetric] = GATED_METRICS, bound: float = DEFAULT_BOUND,
                    tail_bound: float = DEFAULT_TAIL_BOUND, confidence: float = DEFAULT_CONFIDENCE,
                    n_boot: int = DEFAULT_N_BOOT, seed: int = 0, baseline_policy: str = "",
-                   baseline_reason: str | None = None) -> pd.DataFrame:
+                   baseline_reason: str | None = None, run_noise: Mapping[str, float] | None = None) -> pd.DataFrame:
     """The comparison table of ``current`` tables against ``baseline_runs`` = [(run_id, tables)].
 
     No store needed (calibration compares in memory). A metric whose table the current run
     did not produce gives no row; one the baseline lacks gives ``insufficient_data``.
+    ``run_noise``: metric (``serving.itl_ms.median``) -> calibrated between-run sd of log
+    medians, the floor of the run-to-run noise term (module docstring).
     """
+    run_noise = dict(run_noise or {})
     if not 0 < confidence < 1:
         raise ConfigError(f"confidence must be in (0, 1), got {confidence!r}")
     if not (0 <= bound < 1 and 0 <= tail_bound < 1):
@@ -332,8 +505,17 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
                     rows.append(_row(metric, case, decision="insufficient_data", reason=short, **common))
                 continue
             if metric.statistic == "median":
-                ratio, low, high = ratio_ci_median(cur, groups, confidence=confidence, n_boot=n_boot,
-                                                   seed=seed + 1009 * m_index + c_index)
+                cur_side: Samples = cur
+                base_sides: Sequence[Samples] = groups
+                if metric.list_column:  # tokens of one request are not independent: resample requests
+                    cur_side = extract_requests(metric, current).get(case, [cur])
+                    base_sides = [c for c in (extract_requests(metric, t).get(case) for _, t in baseline_runs)
+                                  if c]
+                rng = np.random.default_rng(seed + 7919 * m_index + c_index)
+                run_sd = max(_run_sd(base_sides, rng), float(run_noise.get(metric.metric, 0.0)))
+                ratio, low, high = ratio_ci_median(cur_side, base_sides, confidence=confidence, n_boot=n_boot,
+                                                   seed=seed + 1009 * m_index + c_index, run_sd=run_sd)
+                common["run_sd"] = run_sd
                 gated, reason = True, None
             else:
                 ratio, low, high = ratio_ci_quantile(cur, np.concatenate(groups), metric.quantile,
@@ -359,13 +541,15 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
                 policy: BaselinePolicy | None = None, metrics: Sequence[GatedMetric] = GATED_METRICS,
                 bound: float = DEFAULT_BOUND, tail_bound: float = DEFAULT_TAIL_BOUND,
                 confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
-                exclude_run: str | None = None) -> pd.DataFrame:
+                exclude_run: str | None = None, calibration: Mapping[str, Any] | None = None) -> pd.DataFrame:
     """Compare a run with its key's baseline (chosen by ``policy``) and return the comparison table.
 
     ``run``: a recorded run id (its tables are read from the store, its key and run group
     found there) or the tables of a run not yet recorded (then ``key`` is required; pass its
     ``exclude_run`` when it is a re-run of a recorded run, to keep its own group out).
-    The table's ``attrs["baseline"]`` holds :meth:`Baseline.as_dict`.
+    The table's ``attrs["baseline"]`` holds :meth:`Baseline.as_dict`, ``attrs["calibration"]``
+    :func:`calibration_summary` of the key's latest calibration (``calibration``, when given,
+    is used instead of the stored one); its run noise floors the run-to-run term.
     """
     if isinstance(run, str):
         record = store.get_run(run)
@@ -380,8 +564,45 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
     baseline_tables = [(r.run_id, store.tables(r.run_id, {m.table for m in metrics})) for r in baseline.runs]
     if not baseline.sufficient:
         baseline_tables = []
+    if calibration is None:
+        calibration = store.latest_calibration(key)
+    run_noise, figures = calibration_figures(calibration, bound, tail_bound)
     df = compare_tables(current, baseline_tables, metrics=metrics, bound=bound, tail_bound=tail_bound,
                         confidence=confidence, n_boot=n_boot, seed=seed, baseline_policy=baseline.policy,
-                        baseline_reason=baseline.reason)
+                        baseline_reason=baseline.reason, run_noise=run_noise)
+    for i, (metric, case) in enumerate(zip(df["metric"], df["case"])):
+        fig = figures.get((metric, case))
+        if fig is not None:
+            for col in ("false_alarm_upper95", "min_detectable"):
+                value = fig.get(col)
+                df.loc[df.index[i], col] = math.nan if value is None else float(value)
     df.attrs["baseline"] = baseline.as_dict()
+    df.attrs["calibration"] = calibration_summary(calibration, bound, tail_bound)
     return df
+
+
+def calibration_summary(calibration: Mapping[str, Any] | None, bound: float = DEFAULT_BOUND,
+                        tail_bound: float = DEFAULT_TAIL_BOUND) -> dict[str, Any] | None:
+    """What a verdict carries about the key's calibration: when, how many runs, the gate-level
+    false alarms, and per gated metric (at the bound in force, or the nearest calibrated one)
+    its false-alarm bound and smallest detectable change."""
+    if not calibration:
+        return None
+    _, figures = calibration_figures(calibration, bound, tail_bound)
+    summary = calibration.get("summary") or {}
+    at = calibration.get("at")
+    gate_level = summary.get("gate_false_alarms") or {}
+    nearest = min(gate_level, key=lambda b: abs(float(b) - bound)) if gate_level else None
+    return {
+        "id": calibration.get("id"),
+        "bound": float(nearest) if nearest is not None else None,
+        "gate_false_alarms_at_bound": gate_level.get(nearest) if nearest is not None else None,
+        "at": at.isoformat() if hasattr(at, "isoformat") else at,
+        "aa_runs": summary.get("aa_runs"),
+        "ab_runs": summary.get("ab_runs"),
+        "measurement_s_per_decision": summary.get("measurement_s_per_decision"),
+        "gate_false_alarms": summary.get("gate_false_alarms"),
+        "metrics": [{k: rec.get(k) for k in ("metric", "case", "bound", "run_sd", "false_alarms", "aa_comparisons",
+                                             "false_alarm_upper95", "min_detectable", "min_detected_injected")}
+                    for rec in figures.values() if rec.get("aa_comparisons")],
+    }

@@ -115,6 +115,7 @@ class GateRun:
         self.started_at = time.time()
         self.closed = False  # True once the gate stopped the worker on purpose
         self.attempt_of: str | None = None  # the recorded run this one re-runs (servegate rerun)
+        self.calibration: dict[str, Any] | None = None  # the key's calibration summary (compare stage)
         self.device_slot = contextlib.ExitStack()  # the held device slot (hold_device_slot), released by close()
 
     # -- construction ---------------------------------------------------------------------

@@ -31,6 +31,7 @@ from servegate.baseline import BaselinePolicy
 from servegate.compare import GATED_METRICS, GatedMetric, compare_run, extract_samples
 from servegate.errors import ConfigError
 from servegate.store import RunRecord, Store
+from servegate.verdict import calibration_text
 
 __all__ = [
     "PLOT_NAMES",
@@ -214,16 +215,25 @@ def failing_rows(comparison: pd.DataFrame | None) -> pd.DataFrame:
     return comparison[comparison["decision"] == "regression"]
 
 
+def _pct(value: Any) -> str:
+    return f"{100 * float(value):.1f}%" if value is not None and math.isfinite(float(value)) else "-"
+
+
 def _comparison_table(comparison: pd.DataFrame | None) -> str:
     if comparison is None or comparison.empty:
         return "<p>No comparison with a baseline.</p>"
+    calibrated = "min_detectable" in comparison.columns and comparison["min_detectable"].notna().any()
     rows = []
     for r in comparison.itertuples(index=False):
-        rows.append([r.metric, r.case, r.unit, r.baseline_value, r.current_value, r.ratio,
-                     f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]", r.n_baseline, r.n_current, f"{r.bound:.0%}",
-                     r.decision, r.reason or ""])
-    table = _html_table(["metric", "case", "unit", "baseline", "current", "ratio", "CI", "n base", "n cur", "bound",
-                         "decision", "note"], rows, "comparison")
+        row = [r.metric, r.case, r.unit, r.baseline_value, r.current_value, r.ratio,
+               f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]", r.n_baseline, r.n_current, f"{r.bound:.0%}"]
+        if calibrated:
+            row += [_pct(getattr(r, "min_detectable", math.nan)), _pct(getattr(r, "false_alarm_upper95", math.nan))]
+        rows.append(row + [r.decision, r.reason or ""])
+    headers = ["metric", "case", "unit", "baseline", "current", "ratio", "CI", "n base", "n cur", "bound"]
+    if calibrated:
+        headers += ["min detectable", "false alarms ≤"]
+    table = _html_table([*headers, "decision", "note"], rows, "comparison")
     # Colour regressions without scripts: mark their rows by position.
     for decision, css in (("regression", "bad"), ("improvement", "good")):
         table = table.replace(f"<td>{decision}</td>", f'<td class="{css}">{decision}</td>')
@@ -281,6 +291,10 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
                      + "</ul>")
 
     parts.append("<h2>Comparison with the baseline</h2>")
+    trust = calibration_text(verdict.get("calibration"))
+    parts.append(f'<p id="calibration">{html.escape(trust)}</p>' if trust else
+                 '<p id="calibration">This gate key was never calibrated: how often its relative checks '
+                 'false-alarm is unknown (run <code>servegate calibrate</code>).</p>')
     parts.append(_comparison_table(comparison))
 
     by_metric = {m.metric: m for m in metrics}
@@ -432,6 +446,9 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
     infra = verdict_d.get("infra_errors") or []
     if infra:
         lines += ["\n### Infrastructure errors (could not decide)"] + [f"- {_md_escape(e)}" for e in infra]
+    trust = calibration_text(verdict_d.get("calibration"))
+    if trust:
+        lines.append(f"\n**Trust:** {_md_escape(trust)}")
     if comparison is not None and not comparison.empty:
         lines += ["\n### Comparison with the baseline",
                   f"Baseline: {_md_escape(comparison['baseline_policy'].iloc[0])}\n",

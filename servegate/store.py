@@ -13,6 +13,7 @@ Schema (SQLAlchemy Core, portable across SQLite and PostgreSQL)::
     table_rows         run_id, table_name, row_index, data (one JSON object per raw row)
     outcomes           run_id, idx, table_name, expectation_type, column, success, data (JSON)
     baseline_actions   gate key, action (pin|unpin|distribution_change), run_id, reason, actor, at
+    calibrations       gate key, at, plan, summary, metrics (``servegate calibrate`` results)
 
 Raw per-request rows (``serving_requests`` with its ``itls_ms`` lists, ``occupancy_samples``)
 are kept row by row, so every statistic can be recomputed later.
@@ -220,6 +221,22 @@ baseline_actions = sa.Table(
 )
 
 
+calibrations = sa.Table(
+    "calibrations", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("workload", sa.String(200), nullable=False),
+    sa.Column("engine", sa.String(100), nullable=False),
+    sa.Column("hardware", sa.String(200), nullable=False),
+    sa.Column("model", sa.String(500), nullable=False),
+    sa.Column("at", sa.DateTime, nullable=False),
+    sa.Column("servegate_version", sa.String(50), nullable=True),
+    sa.Column("plan", sa.JSON, nullable=False),
+    sa.Column("summary", sa.JSON, nullable=False),
+    sa.Column("metrics", sa.JSON, nullable=False),  # one record per (metric, case, bound)
+    sa.Index("ix_calibrations_key_at", "workload", "engine", "hardware", "model", "at"),
+)
+
+
 def _migration_1(conn: Connection) -> None:
     for table in (runs, run_tables, table_rows, outcomes_t, baseline_actions):
         table.create(conn, checkfirst=True)
@@ -227,6 +244,8 @@ def _migration_1(conn: Connection) -> None:
 
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "runs, run tables and raw rows, expectation outcomes, baseline actions", _migration_1),
+    (2, "calibrations: A/A false-alarm rates and detectable regressions per gate key",
+     lambda conn: calibrations.create(conn, checkfirst=True)),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -511,6 +530,36 @@ class Store:
                 return int(result.inserted_primary_key[0])
         except SQLAlchemyError as exc:
             raise self._db_error(exc, f"recording baseline action {action}") from exc
+
+    def record_calibration(self, key: GateKey, *, plan: Mapping[str, Any], summary: Mapping[str, Any],
+                           metrics: Sequence[Mapping[str, Any]], at: datetime | None = None) -> int:
+        """Record one ``servegate calibrate`` result for ``key`` (one transaction); return its id."""
+        from servegate import __version__
+
+        try:
+            with self._engine.begin() as conn:
+                result = conn.execute(sa.insert(calibrations).values(
+                    workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model,
+                    at=_naive_utc(at), servegate_version=__version__, plan=orjson.loads(_dumps(dict(plan))),
+                    summary=orjson.loads(_dumps(dict(summary))), metrics=orjson.loads(_dumps(list(metrics)))))
+                return int(result.inserted_primary_key[0])
+        except SQLAlchemyError as exc:
+            raise self._db_error(exc, "recording a calibration") from exc
+
+    def latest_calibration(self, key: GateKey) -> dict[str, Any] | None:
+        """The newest calibration of ``key`` (``id, key, at, plan, summary, metrics``), or None."""
+        where = sa.and_(calibrations.c.workload == key.workload, calibrations.c.engine == key.engine,
+                        calibrations.c.hardware == key.hardware, calibrations.c.model == key.model)
+        try:
+            with self._engine.connect() as conn:
+                row = conn.execute(sa.select(calibrations).where(where)
+                                   .order_by(calibrations.c.at.desc(), calibrations.c.id.desc()).limit(1)).mappings().first()
+        except SQLAlchemyError as exc:
+            raise self._db_error(exc, "reading calibrations") from exc
+        if row is None:
+            return None
+        return {"id": row["id"], "key": str(key), "at": _aware(row["at"]), "servegate_version": row["servegate_version"],
+                "plan": row["plan"], "summary": row["summary"], "metrics": row["metrics"]}
 
     # ---- reading --------------------------------------------------------------------------
     def _records(self, where: Any = None, *, order_desc: bool = True) -> list[RunRecord]:

@@ -20,6 +20,7 @@ Exit codes: pass 0, fail 1, inconclusive 2.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +29,7 @@ from servegate.validate import ExpectationOutcome
 
 __all__ = [
     "VERDICT_SCHEMA_VERSION",
+    "calibration_text",
     "TABLE_STAGE",
     "Breach",
     "VerdictSummary",
@@ -95,6 +97,9 @@ class Verdict(_Record):
     not_applicable: list[str] = Field(default_factory=list,
                                       description="of not_validated: tables whose stage was skipped or not applicable")
     summary: VerdictSummary = Field(description="counts over all expectations")
+    calibration: dict[str, Any] | None = Field(None, description=(
+        "the gate key's latest `servegate calibrate` figures (compare stage): A/A false alarms and the "
+        "smallest detectable change per gated metric, so a reader knows how much a relative verdict is worth"))
     baseline_eligible: bool = Field(False, description=(
         "the run may serve as a baseline: every absolute check passed and nothing broke; true for a pass, "
         "and for a run that is inconclusive only because the relative checks lacked history (so a new "
@@ -205,6 +210,27 @@ def _grid(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(x.rstrip() for x in [line, sep, *body])
 
 
+def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
+    """One paragraph on how far the relative verdict can be trusted (``servegate calibrate``
+    figures), or None when the gate key was never calibrated."""
+    if not calibration:
+        return None
+    gate = calibration.get("gate_false_alarms_at_bound") or {}
+    bound = calibration.get("bound")
+    at = str(calibration.get("at") or "")[:16].replace("T", " ")
+    text = (f"calibrated {at} UTC from {calibration.get('aa_runs')} A/A and {calibration.get('ab_runs')} "
+            f"slowdown run(s)")
+    if gate and bound is not None:
+        upper = gate.get("false_alarm_upper95")
+        text += (f": gate-level false alarms {gate.get('false_alarms')}/{gate.get('comparisons')} at a "
+                 f"{bound:.0%} bound" + (f" (95% upper bound {upper:.0%})" if upper is not None else ""))
+    detectable = [f"{m['metric']}{' [' + m['case'] + ']' if m.get('case') else ''} {m['min_detectable']:.1%}"
+                  for m in calibration.get("metrics") or [] if m.get("min_detectable") is not None]
+    if detectable:
+        text += "; smallest change detected 95% of the time: " + ", ".join(detectable)
+    return text
+
+
 def format_verdict_table(verdict: Verdict) -> str:
     """A plain-text report for the terminal: status line, breaches table, infra errors, gaps."""
     s = verdict.summary
@@ -221,6 +247,9 @@ def format_verdict_table(verdict: Verdict) -> str:
         na = set(verdict.not_applicable)
         lines += ["", "Not validated (table not produced):",
                   *(f"  - {t}{' (stage skipped / not applicable)' if t in na else ''}" for t in verdict.not_validated)]
+    calibration = calibration_text(verdict.calibration)
+    if calibration:
+        lines += ["", f"Trust: {calibration}"]
     return "\n".join(lines)
 
 
@@ -249,4 +278,7 @@ def verdict_markdown(verdict: Verdict) -> str:
         out += ["", "### Not validated", ""]
         out += [f"- `{t}`{' (stage skipped / not applicable)' if t in na else ' (not produced)'}"
                 for t in verdict.not_validated]
+    calibration = calibration_text(verdict.calibration)
+    if calibration:
+        out += ["", f"**Trust:** {calibration}"]
     return "\n".join(out) + "\n"

@@ -27,7 +27,8 @@ def compare(run: GateRun) -> int:
         with Store(run.config.store.url) as store:
             table = compare_run(store, run.tables, key, policy=policy, bound=cfg.bound, tail_bound=cfg.tail_bound,
                                 exclude_run=run.attempt_of)
+        run.calibration = table.attrs.get("calibration")
         run.save_table("comparison", table, outcome)
-    shown = table[["metric", "case", "ratio", "ci_low", "ci_high", "decision"]]
+    shown = table[["metric", "case", "ratio", "ci_low", "ci_high", "decision", "min_detectable"]]
     publish(run.config.name, STAGE, "# comparison with baseline\n\n" + table_markdown(shown))
     return len(table)

@@ -14,6 +14,8 @@ from servegate.verdict import Verdict, decide, verdict_markdown
 def verdict(run: GateRun) -> Verdict:
     result = decide(run.outcomes or [], list(run.infra_errors),
                     {name: o.status for name, o in run.stages.items()})
+    if run.calibration is not None:
+        result = result.model_copy(update={"calibration": run.calibration})
     run.folder.write_json("verdict", result.model_dump(mode="json"))
     run.folder.finish()
     publish(run.config.name, "verdict", verdict_markdown(result), description=f"gate verdict: {result.status}")

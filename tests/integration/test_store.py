@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from servegate.baseline import (BaselinePolicy, active_pin, mark_distribution_change, pin, resolve_baseline,
                                 unpin)
 from servegate.errors import ConfigError, InfraError
-from servegate.store import SCHEMA_VERSION, GateKey, Store, default_url, parse_since
+from servegate.store import MIGRATIONS, SCHEMA_VERSION, GateKey, Store, default_url, parse_since
 
 T0 = datetime(2026, 11, 1, 2, 0, tzinfo=timezone.utc)
 KEY = GateKey("smoke", "embedded", "cpu", "smollm2-135m")
@@ -203,8 +203,7 @@ def test_schema_is_versioned_and_newer_databases_are_refused(tmp_path: Path) -> 
         assert s.schema_version() == SCHEMA_VERSION
     with Store(f"sqlite:///{path}") as s:  # re-open: no migration re-applied
         with s.engine.connect() as conn:
-            assert conn.execute(sa.text("SELECT count(*) FROM schema_migrations")).scalar() == len(
-                [SCHEMA_VERSION])
+            assert conn.execute(sa.text("SELECT count(*) FROM schema_migrations")).scalar() == len(MIGRATIONS)
         with s.engine.begin() as conn:
             conn.execute(sa.text("INSERT INTO schema_migrations VALUES (999, 'future', '2030-01-01')"))
     with pytest.raises(ConfigError, match="newer than this servegate"):
@@ -355,3 +354,29 @@ def test_pin_unpin_and_distribution_change_are_recorded_with_who_when_why(store:
         mark_distribution_change(store, KEY, reason="  ")
     pin(store, "n2", reason="accepting the failure", actor="rm-bob")
     assert "verdict: fail" in store.baseline_actions(KEY)[-1]["reason"]
+
+
+def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import servegate.store as store_mod
+
+    path = tmp_path / "old.db"
+    monkeypatch.setattr(store_mod, "MIGRATIONS", store_mod.MIGRATIONS[:1])
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 1)
+    with Store(str(path)) as old:
+        run_id = old.record_run(**run_inputs("old-run", started_at=datetime.now(timezone.utc)))
+        assert old.schema_version() == 1
+        assert "calibrations" not in sa.inspect(old.engine).get_table_names()
+    monkeypatch.undo()
+    with Store(str(path)) as s:
+        assert s.schema_version() == SCHEMA_VERSION >= 2
+        assert s.get_run(run_id).status == "pass"
+        assert s.latest_calibration(KEY) is None
+        first = s.record_calibration(KEY, plan={"aa_runs": 6}, summary={"aa_runs": 6},
+                                     metrics=[{"metric": "serving.itl_ms.median", "run_sd": float("nan")}])
+        second = s.record_calibration(KEY, plan={"aa_runs": 8}, summary={"aa_runs": 8}, metrics=[])
+        latest = s.latest_calibration(KEY)
+        assert second > first and latest["id"] == second and latest["plan"] == {"aa_runs": 8}
+        assert latest["key"] == str(KEY) and latest["at"].tzinfo is not None
+        other = GateKey("other", KEY.engine, KEY.hardware, KEY.model)
+        assert s.latest_calibration(other) is None

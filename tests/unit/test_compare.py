@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servegate.compare import (COMPARISON_COLUMNS, GATED_METRICS, compare_tables, decide, extract_samples,
+from servegate.compare import (COMPARISON_COLUMNS, GATED_METRICS, compare_tables, decide, extract_requests,
+                               extract_samples,
                                ratio_ci_median, ratio_ci_quantile)
 from servegate.errors import ConfigError
 
@@ -161,3 +162,57 @@ def test_deterministic_for_a_seed_and_bounds_are_checked() -> None:
         compare_tables(_run(7), _baseline(), confidence=1.5)
     with pytest.raises(ConfigError, match="bounds"):
         compare_tables(_run(7), _baseline(), bound=-0.1)
+
+
+def _requests(rng: np.random.Generator, n: int, tokens: int, scale: float = 1.0) -> list[np.ndarray]:
+    """Per-request ITLs whose tokens share the request's level (its batch, its neighbours)."""
+    levels = rng.lognormal(np.log(40.0), 0.3, n)
+    return [lvl * scale * rng.lognormal(0, 0.02, tokens) for lvl in levels]
+
+
+def test_itl_is_bootstrapped_per_request_not_per_token() -> None:
+    rng = np.random.default_rng(5)
+    cur, base = _requests(rng, 40, 64), [_requests(rng, 40, 64)]
+    _, lo_flat, hi_flat = ratio_ci_median(np.concatenate(cur), [np.concatenate(base[0])], seed=1)
+    ratio, lo, hi = ratio_ci_median(cur, base, seed=1)
+    # 2560 tokens but 40 independent requests: the honest interval is several times wider.
+    assert lo < ratio < hi and (hi - lo) > 3 * (hi_flat - lo_flat)
+    # Clustered A/A comparisons: the per-token interval cries wolf, the per-request one does not.
+    flat_alarms = cluster_alarms = 0
+    for seed in range(20):
+        r = np.random.default_rng(100 + seed)
+        c, b = _requests(r, 40, 64), _requests(r, 40, 64)
+        _, lo_f, hi_f = ratio_ci_median(np.concatenate(c), [np.concatenate(b)], seed=seed, n_boot=500)
+        _, lo_c, hi_c = ratio_ci_median(c, [b], seed=seed, n_boot=500)
+        flat_alarms += decide(lo_f, hi_f, "lower_is_better", 0.05) == "regression"
+        cluster_alarms += decide(lo_c, hi_c, "lower_is_better", 0.05) == "regression"
+    assert cluster_alarms <= 1 < flat_alarms, (flat_alarms, cluster_alarms)
+    # A real 40 % slowdown is still found through the wider interval.
+    slow = _requests(np.random.default_rng(9), 80, 64, scale=1.4)
+    _, lo, _ = ratio_ci_median(slow, base, seed=2)
+    assert lo > 1.05
+
+
+def test_comparison_itl_row_uses_the_request_clusters() -> None:
+    df = compare_tables(_run(7), _baseline(n_runs=1))
+    row = _by_metric(df, "serving.itl_ms.median")
+    assert row["n_current"] == 255 * 16 and row["decision"] == "no_change"
+    clusters = extract_requests(next(m for m in GATED_METRICS if m.list_column), _run(7))[""]
+    assert len(clusters) == 255 and all(c.size == 16 for c in clusters)
+
+
+def test_run_to_run_noise_is_estimated_from_baseline_runs_and_floored_by_calibration() -> None:
+    # Baseline nights that really differ (about 6 % sd): a 10 % slower current night is not
+    # shown to be a >5 % regression, because one night alone can be that far off.
+    shifts = (0.92, 0.97, 1.0, 1.04, 1.09, 0.95)
+    noisy = [(f"b{i}", _run(100 + i, run_shift=s)) for i, s in enumerate(shifts)]
+    row = _by_metric(compare_tables(_run(7, run_shift=1.10), noisy), "serving.tpot_ms.median")
+    assert 0.03 < row["run_sd"] < 0.12 and row["decision"] != "regression", row
+    steady = _by_metric(compare_tables(_run(7), _baseline()), "serving.tpot_ms.median")
+    assert steady["run_sd"] < 0.02
+    # One baseline run: nothing to estimate from; a calibrated figure widens the interval.
+    plain = _by_metric(compare_tables(_run(7), _baseline(n_runs=1)), "serving.tpot_ms.median")
+    floored = _by_metric(compare_tables(_run(7), _baseline(n_runs=1), run_noise={"serving.tpot_ms.median": 0.04}),
+                         "serving.tpot_ms.median")
+    assert plain["run_sd"] == 0 and floored["run_sd"] == 0.04
+    assert (floored["ci_high"] - floored["ci_low"]) > 2 * (plain["ci_high"] - plain["ci_low"])

@@ -1,0 +1,88 @@
+"""Calibrate a gate key: A/A and injected-slowdown gate runs, then false-alarm and power figures.
+
+Deployment entrypoint: ``flows/calibrate.py:calibrate_gate``. Each calibration run is a real
+``regression_gate`` subflow (launch, warm-up, flushes, measurement, teardown), so the figures
+include everything a nightly run varies by: a fresh worker, its warm-up, the machine's state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+
+from servegate.calibrate import (CalibrationPlan, CalibrationRun, analyse, figures_records, format_calibration,
+                                 measurement_seconds, run_config, schedule, summarise)
+from servegate.config import GateConfig
+from servegate.flows.gate import regression_gate
+from servegate.results import RunFolder
+from servegate.store import GateKey, Store
+from servegate.tasks._artifacts import publish
+
+logger = logging.getLogger("servegate.flows.calibrate")
+
+COMPARED_TABLES = ("serving_requests", "one_batch", "occupancy_samples")
+
+
+def _load_run(index: int, slowdown_pct: float, result: dict[str, Any]) -> CalibrationRun:
+    run = CalibrationRun(index, slowdown_pct, run_dir=result["run_dir"], status=result["verdict"]["status"])
+    folder = RunFolder.open(result["run_dir"])
+    stages = folder.read_json("stages") if (Path(result["run_dir"]) / "stages.json").is_file() else {}
+    run.measurement_s = measurement_seconds(stages)
+    if result["verdict"].get("infra_errors"):
+        # A run that broke (worker died, flush timed out) measures the failure, not the engine.
+        logger.warning("calibration run %d (%s) was inconclusive, left out: %s", index, run.label,
+                       "; ".join(result["verdict"]["infra_errors"])[:500])
+        return run
+    run.tables = {name: folder.read_table(name) for name in COMPARED_TABLES if folder.has_table(name)}
+    return run
+
+
+@flow(name="calibrate-gate", log_prints=False, validate_parameters=True)
+def calibrate_gate(config: GateConfig, plan: dict[str, Any] | None = None, output_dir: str | None = None,
+                   record: bool = True) -> dict[str, Any]:
+    """Run the calibration plan for ``config``'s gate key; record and return its figures.
+
+    Returns ``{"key", "calibration_dir", "calibration_id", "summary", "figures"}`` (figures as
+    JSON records, one per metric, case and bound).
+    """
+    the_plan = CalibrationPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in (plan or {}).items()})
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(output_dir) if output_dir else Path(config.output_dir) / f"calibration-{config.name}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[CalibrationRun] = []
+    key: GateKey | None = None
+    order = schedule(the_plan)
+    for index, pct in enumerate(order):
+        logger.info("calibration run %d/%d: %s", index + 1, len(order), "A (unchanged)" if not pct else f"+{pct:g}%")
+        result = regression_gate(config=run_config(config, pct, out / "runs"))
+        run = _load_run(index, pct, result)
+        runs.append(run)
+        if key is None:
+            folder = RunFolder.open(run.run_dir)
+            key = GateKey.from_run(folder.manifest.model_dump(mode="json"), folder.read_json("config"))
+        (out / "runs.json").write_text(json.dumps([{"index": r.index, "slowdown_pct": r.slowdown_pct,
+                                                    "status": r.status, "run_dir": r.run_dir,
+                                                    "measurement_s": r.measurement_s} for r in runs], indent=2))
+    assert key is not None  # the schedule always holds at least two runs
+    figures, comparisons, _ = analyse(runs, the_plan, tail_bound=config.compare.tail_bound)
+    summary = summarise(runs, figures, comparisons, the_plan)
+    figures.to_csv(out / "calibration.csv", index=False)
+    comparisons.drop(columns=["baseline_runs"]).to_csv(out / "comparisons.csv", index=False)
+    records = figures_records(figures)
+    calibration_id = None
+    if record and config.store.enabled:
+        with Store(config.store.url) as store:
+            calibration_id = store.record_calibration(key, plan=the_plan.as_dict(), summary=summary, metrics=records)
+    doc = {"key": str(key), "calibration_dir": str(out), "calibration_id": calibration_id, "plan": the_plan.as_dict(),
+           "summary": summary, "figures": records}
+    (out / "calibration.json").write_text(json.dumps(doc, indent=2, default=lambda v: None if isinstance(v, float)
+                                                     and not math.isfinite(v) else str(v)))
+    publish(config.name, "calibration", f"# calibration of {key}\n\n```\n{format_calibration(figures, summary)}\n```",
+            description=f"servegate calibration of {key}")
+    return doc

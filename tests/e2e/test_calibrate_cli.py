@@ -1,0 +1,114 @@
+"""`servegate calibrate` end to end: real gate runs of the embedded worker (tiny model), A/A and an
+injected decode slowdown, figures recorded, and the next gate verdict of the key carrying them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from servegate.store import GateKey, Store
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = [
+    "worker.model=tiny-random",
+    "warmup.max_new_tokens=4",
+    "one_batch.batch_sizes=[1, 2]",
+    "one_batch.input_lens=[16]",
+    "one_batch.output_lens=[4]",
+    "serving.num_prompts=12",
+    "serving.random_input_len=16",
+    "serving.random_output_len=12",
+    "serving.request_rate=20",
+    "serving.progress=false",
+    "occupancy.max_new_tokens=400",
+    "occupancy.scrape_interval_s=0.05",
+    "quality.enabled=false",  # a random-weight model cannot meet an accuracy floor
+]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["SERVEGATE_DB"] = str(tmp_path / "history.db")
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def _servegate(tmp_path: Path, *args: str, timeout: float = 840) -> subprocess.CompletedProcess:
+    sets = [a for s in TINY for a in ("--set", s)]
+    return subprocess.run([sys.executable, "-m", "servegate", *args, *sets], cwd=REPO, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _json(proc: subprocess.CompletedProcess) -> dict:
+    start = proc.stdout.find("{")
+    assert start >= 0, f"no JSON on stdout.\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout[start:])
+
+
+def _workers(tmp_path: Path) -> list[psutil.Process]:
+    marker = str(tmp_path / "history.db")
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if "worker" in (p.info["cmdline"] or []):
+            try:
+                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    return found
+
+
+def test_calibrate_measures_false_alarms_and_detection_and_the_verdict_carries_them(tmp_path: Path) -> None:
+    out = tmp_path / "calibration"
+    proc = _servegate(tmp_path, "calibrate", "--aa-runs", "3", "--slowdowns", "300", "--runs-per-slowdown", "1",
+                      "--bounds", "0.05", "--output-dir", str(out), "--json")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    doc = _json(proc)
+    assert doc["key"] == "smoke/embedded/cpu-2core/tiny-random" and doc["calibration_id"] == 1
+    runs = doc["summary"]["runs"]
+    assert [r["slowdown_pct"] for r in runs] == [0, 0, 0, 300]
+    assert all(Path(r["run_dir"]).is_dir() and r["measurement_s"] > 0 for r in runs)
+    assert doc["summary"]["aa_runs"] == 3 and doc["summary"]["ab_runs"] == 1
+    figures = {(f["metric"], f["case"]): f for f in doc["figures"]}
+    itl = figures[("serving.itl_ms.median", "")]
+    assert itl["aa_comparisons"] == 2 and itl["bound"] == 0.05
+    assert itl["detected_300pct"] == 1.0 and itl["min_detected_injected"] == 3.0  # a 4x decode slowdown is found
+    assert itl["run_sd"] is not None and itl["run_sd"] >= 0 and itl["min_detectable"] > 0.05
+    assert (out / "calibration.csv").is_file() and (out / "comparisons.csv").is_file()
+    # The runs are measurements, not gate history: nothing recorded but the calibration.
+    with Store(str(tmp_path / "history.db")) as store:
+        assert store.runs() == []
+        stored = store.latest_calibration(GateKey.parse(doc["key"]))
+    assert stored is not None and stored["summary"]["aa_runs"] == 3
+
+    # The next gate run of the key: its verdict and summary say how far to trust the comparison.
+    gate = _servegate(tmp_path, "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"), "--json",
+                      "--set", "compare.enabled=true")
+    verdict = _json(gate)
+    assert gate.returncode == 2 and verdict["status"] == "inconclusive"  # no gate history yet
+    assert verdict["calibration"]["aa_runs"] == 3 and verdict["calibration"]["bound"] == 0.05
+    assert any(m["metric"] == "serving.itl_ms.median" for m in verdict["calibration"]["metrics"])
+    summary = (Path(verdict["run_dir"]) / "summary.md").read_text()
+    assert "**Trust:** calibrated" in summary and "3 A/A" in summary
+    assert not _workers(tmp_path)
+
+
+def test_calibrate_refuses_a_slowdown_an_engine_cannot_inject_before_running_anything(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "sglang-h100",
+                           "--slowdowns", "10"], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "embedded worker's decode fault" in proc.stderr and "--slowdowns ''" in proc.stderr
+    assert not (tmp_path / "history.db").exists()

@@ -1,0 +1,165 @@
+"""Calibration: run schedule, per-run config, and the false-alarm / power figures from run tables."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from servegate.calibrate import (SLOWDOWN_FLAG, CalibrationPlan, CalibrationRun, analyse, format_calibration,
+                                 measurement_seconds, run_config, schedule, summarise)
+from servegate.compare import calibration_figures, calibration_summary, compare_run, compare_tables
+from servegate.config import load_config
+from servegate.errors import ConfigError
+from servegate.store import GateKey, Store
+from servegate.verdict import calibration_text
+
+
+def _tables(seed: int, slowdown: float = 0.0, night: float = 1.0) -> dict[str, pd.DataFrame]:
+    """One run's compared tables: 64 requests of 24 tokens, a per-request level, a night effect."""
+    rng = np.random.default_rng(seed)
+    factor = (1 + slowdown) * night
+    level = rng.lognormal(0, 0.1, 64)
+    itls = [list(40.0 * factor * lvl * rng.lognormal(0, 0.05, 24)) for lvl in level]
+    ttft = rng.lognormal(np.log(150.0), 0.2, 64) * night
+    serving = pd.DataFrame({"ttft_ms": ttft, "itls_ms": itls, "tpot_ms": [np.mean(x) for x in itls],
+                            "e2e_latency_ms": ttft + [sum(x) for x in itls], "success": True})
+    one_batch = pd.DataFrame([{"batch_size": 1, "input_len": 64, "output_len": 16, "status": "measured",
+                               "latency": 0.4 * factor, "output_throughput": 40 / factor}])
+    occupancy = pd.DataFrame({"fwd_occupancy": rng.normal(95.0, 1.0, 30)})
+    return {"serving_requests": serving, "one_batch": one_batch, "occupancy_samples": occupancy}
+
+
+def _runs(plan: CalibrationPlan, night_sd: float = 0.01) -> list[CalibrationRun]:
+    rng = np.random.default_rng(42)
+    runs = []
+    for i, pct in enumerate(schedule(plan)):
+        night = float(np.exp(rng.normal(0, night_sd)))
+        runs.append(CalibrationRun(i, pct, run_dir=f"/runs/{i}", status="pass", measurement_s=30.0 + i,
+                                   tables=_tables(100 + i, pct / 100, night)))
+    return runs
+
+
+def test_schedule_starts_with_two_a_runs_then_interleaves() -> None:
+    plan = CalibrationPlan(aa_runs=4, slowdowns_pct=(5, 30), runs_per_slowdown=3)
+    assert schedule(plan) == [0, 0, 0, 5, 30, 0, 5, 30, 5, 30]
+    assert schedule(CalibrationPlan(aa_runs=3, slowdowns_pct=())) == [0, 0, 0]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"aa_runs": 1}, "at least 2 A/A runs"),
+    ({"slowdowns_pct": (0.0,)}, "percentages > 0"),
+    ({"bounds": (1.5,)}, "fractions in"),
+    ({"runs_per_slowdown": 0}, "runs-per-slowdown"),
+    ({"baseline_n": 0}, "baseline-n"),
+])
+def test_plan_refuses_what_cannot_be_measured(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        CalibrationPlan(**kwargs)
+
+
+def test_run_config_measures_only_and_injects_the_slowdown(tmp_path: Path) -> None:
+    config = load_config(profile="smoke")
+    a = run_config(config, 0, tmp_path)
+    b = run_config(config, 10, tmp_path)
+    assert a.worker.extra_args == [] and b.worker.extra_args == [SLOWDOWN_FLAG, "10"]
+    for cfg in (a, b):
+        assert not cfg.compare.enabled and not cfg.store.enabled and not cfg.quality.enabled
+        assert not cfg.report.html and cfg.output_dir == str(tmp_path) and cfg.name == config.name
+    with pytest.raises(ConfigError, match="embedded worker's decode fault"):
+        run_config(load_config(profile="sglang-h100"), 10, tmp_path)
+    assert run_config(load_config(profile="sglang-h100"), 0, tmp_path).worker.engine == "sglang"
+    faulty = load_config(profile="smoke", overrides=[f'worker.extra_args=["{SLOWDOWN_FLAG}", "5"]'])
+    with pytest.raises(ConfigError, match="unchanged worker"):
+        run_config(faulty, 0, tmp_path)
+
+
+def test_measurement_seconds_counts_only_measurement_stages_that_ran() -> None:
+    stages = {"launch": {"status": "ok", "duration_s": 20}, "one_batch": {"status": "ok", "duration_s": 5},
+              "serving": {"status": "ok", "duration_s": 10.5}, "occupancy": {"status": "failed", "duration_s": 3},
+              "quality": {"status": "ok", "duration_s": 40}}
+    assert measurement_seconds(stages) == 15.5
+
+
+def test_aa_runs_do_not_alarm_and_a_clear_slowdown_is_detected() -> None:
+    plan = CalibrationPlan(aa_runs=6, slowdowns_pct=(2.0, 40.0), runs_per_slowdown=2, bounds=(0.02, 0.05),
+                           baseline_n=5, n_boot=500)
+    runs = _runs(plan)
+    figures, comparisons, noise = analyse(runs, plan)
+    assert set(comparisons["run"]) == set(range(1, len(runs)))  # every run after the first A run
+    itl = figures[(figures["metric"] == "serving.itl_ms.median") & (figures["bound"] == 0.05)].iloc[0]
+    assert itl["aa_comparisons"] == 5 and itl["false_alarms"] == 0 and itl["false_alarm_rate"] == 0
+    assert 0 < itl["false_alarm_upper95"] < 0.5  # 0/5: an honest, wide bound
+    assert itl["detected_40pct"] == 1.0 and itl["detected_2pct"] < 0.95
+    assert itl["min_detected_injected"] == pytest.approx(0.40)
+    assert 0.05 < itl["min_detectable"] < 0.40  # at least the bound, well under the clear slowdown
+    # A smaller minimum effect makes smaller changes detectable.
+    itl_2 = figures[(figures["metric"] == "serving.itl_ms.median") & (figures["bound"] == 0.02)].iloc[0]
+    assert itl_2["min_detectable"] < itl["min_detectable"]
+    # Tails are calibrated once, at the tail bound; the prefill metric is not slowed by a decode fault.
+    assert set(figures.loc[figures["statistic"] == "p99", "bound"]) == {0.10}
+    ttft = figures[(figures["metric"] == "serving.ttft_ms.median") & (figures["bound"] == 0.05)].iloc[0]
+    assert ttft["detected_40pct"] == 0 and math.isnan(ttft["min_detected_injected"])
+    assert set(noise) >= {"serving.itl_ms.median", "serving.ttft_ms.median", "one_batch.latency.median"}
+    summary = summarise(runs, figures, comparisons, plan)
+    assert summary["aa_runs"] == 6 and summary["ab_runs"] == 4
+    assert summary["gate_false_alarms"]["0.05"]["comparisons"] == 5
+    assert summary["measurement_s_per_decision"] == pytest.approx(6 * np.median([r.measurement_s for r in runs
+                                                                                 if r.slowdown_pct == 0]))
+    text = format_calibration(figures, summary)
+    assert "serving.itl_ms.median" in text and "detected +40%" in text and "gate-level false alarms" in text
+
+
+def test_noisy_nights_raise_run_sd_and_the_detectable_change() -> None:
+    plan = CalibrationPlan(aa_runs=6, slowdowns_pct=(), bounds=(0.05,), n_boot=500)
+    quiet, _, _ = analyse(_runs(plan, night_sd=0.005), plan)
+    noisy, _, _ = analyse(_runs(plan, night_sd=0.08), plan)
+
+    def row(df: pd.DataFrame) -> pd.Series:
+        return df[df["metric"] == "serving.tpot_ms.median"].iloc[0]
+
+    assert row(noisy)["run_sd"] > 3 * row(quiet)["run_sd"]
+    assert row(noisy)["min_detectable"] > row(quiet)["min_detectable"]
+
+
+def test_analysis_needs_two_a_runs_with_tables() -> None:
+    plan = CalibrationPlan(aa_runs=2, slowdowns_pct=(30.0,), runs_per_slowdown=1)
+    runs = _runs(plan)
+    runs[1].tables = {}  # its gate run broke: left out
+    with pytest.raises(ConfigError, match="1 A/A run"):
+        analyse(runs, plan)
+
+
+def test_stored_calibration_floors_run_noise_and_annotates_the_comparison(tmp_path: Path) -> None:
+    plan = CalibrationPlan(aa_runs=4, slowdowns_pct=(), bounds=(0.02, 0.05), n_boot=300)
+    runs = _runs(plan, night_sd=0.05)
+    figures, comparisons, _ = analyse(runs, plan)
+    summary = summarise(runs, figures, comparisons, plan)
+    key = GateKey("smoke", "embedded", "cpu-2core", "smollm2-135m")
+    current, baseline = _tables(7), _tables(8)
+    with Store(str(tmp_path / "h.db")) as store:
+        before = compare_run(store, current, key, calibration={}, n_boot=300)
+        assert before["min_detectable"].isna().all() and before.attrs["calibration"] is None
+        store.record_calibration(key, plan=plan.as_dict(), summary=summary,
+                                 metrics=figures.replace({np.nan: None}).to_dict("records"))
+        stored = store.latest_calibration(key)
+    noise, best = calibration_figures(stored, 0.05)
+    tpot = best[("serving.tpot_ms.median", "")]
+    assert tpot["bound"] == 0.05 and noise["serving.tpot_ms.median"] > 0
+    # The comparison of a later run: noise floored, rows carry the calibrated figures.
+    with Store(str(tmp_path / "h.db")) as store:
+        df = compare_tables(current, [("b", baseline)], run_noise=noise, n_boot=300)
+        row_of = df.set_index("metric").loc["serving.tpot_ms.median"]
+        assert row_of["run_sd"] == pytest.approx(noise["serving.tpot_ms.median"])
+        annotated = compare_run(store, current, key, n_boot=300)  # no history: insufficient data, still annotated
+        assert (annotated["decision"][annotated["gated"]] == "insufficient_data").all()
+        tpot_row = annotated.set_index("metric").loc["serving.tpot_ms.median"]
+        assert tpot_row["min_detectable"] == pytest.approx(tpot["min_detectable"])
+    carried = calibration_summary(stored, 0.05)
+    assert carried["aa_runs"] == 4 and carried["bound"] == 0.05
+    assert {m["metric"] for m in carried["metrics"]} >= {"serving.itl_ms.median", "serving.tpot_ms.median"}
+    text = calibration_text(carried)
+    assert "4 A/A" in text and "false alarms 0/3" in text and "serving.tpot_ms.median" in text
