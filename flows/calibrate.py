@@ -20,6 +20,7 @@ from servegate.calibrate import (CalibrationPlan, CalibrationRun, analyse, figur
                                  measurement_seconds, run_config, schedule, summarise)
 from servegate.config import GateConfig
 from servegate.flows.gate import regression_gate
+from servegate.gate import resolve_config
 from servegate.results import RunFolder
 from servegate.store import GateKey, Store
 from servegate.tasks._artifacts import publish
@@ -44,13 +45,16 @@ def _load_run(index: int, slowdown_pct: float, result: dict[str, Any]) -> Calibr
 
 
 @flow(name="calibrate-gate", log_prints=False, validate_parameters=True)
-def calibrate_gate(config: GateConfig, plan: dict[str, Any] | None = None, output_dir: str | None = None,
+def calibrate_gate(config: GateConfig | None = None, profile: str | None = None, overrides: list[str] | None = None,
+                   plan: dict[str, Any] | None = None, output_dir: str | None = None,
                    record: bool = True) -> dict[str, Any]:
-    """Run the calibration plan for ``config``'s gate key; record and return its figures.
+    """Run the calibration plan (:class:`CalibrationPlan` fields) for a gate key; record and
+    return its figures. The gate is a full ``config`` or a ``profile`` plus ``overrides``.
 
-    Returns ``{"key", "calibration_dir", "calibration_id", "summary", "figures"}`` (figures as
-    JSON records, one per metric, case and bound).
+    Returns ``{"key", "calibration_dir", "calibration_id", "plan", "summary", "figures"}``
+    (figures as JSON records, one per metric, case and bound).
     """
+    config = resolve_config(config, profile, overrides)
     the_plan = CalibrationPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in (plan or {}).items()})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(output_dir) if output_dir else Path(config.output_dir) / f"calibration-{config.name}-{stamp}"

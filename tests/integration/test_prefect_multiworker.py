@@ -117,6 +117,7 @@ def test_nightly_matrix_on_two_process_workers(prefect_server, tmp_path: Path):
     deployed = _cli([*PREFECT, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"], env,
                     timeout=400)
     assert "regression-gate/smoke-cpu" in deployed.stdout and "nightly-matrix/nightly-cpu" in deployed.stdout
+    assert "calibrate-gate/calibrate-smoke-cpu" in deployed.stdout
 
     logs = {}
     for name in ("machine-a", "machine-b"):
@@ -137,7 +138,8 @@ def test_nightly_matrix_on_two_process_workers(prefect_server, tmp_path: Path):
     gates = [
         {"deployment": "regression-gate/smoke-cpu", "parameters": {"overrides": common}},
         {"deployment": "regression-gate/cpu-nightly",
-         "parameters": {"overrides": [*common, f"validate.expectations_dir={impossible}"]}},
+         # no history in this test's database: compare off, so the breach is a plain fail
+         "parameters": {"overrides": [*common, f"validate.expectations_dir={impossible}", "compare.enabled=false"]}},
     ]
     script = ("import json, sys; from servegate.flows.nightly import nightly_matrix; "
               "print('RESULT ' + json.dumps(nightly_matrix(gates=json.loads(sys.argv[1]), timeout_s=400)))")

@@ -282,7 +282,7 @@ def test_vllm_cpu_gate_passes_end_to_end(tmp_path: Path) -> None:
            "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "vllm-cpu", "--json",
-           "--output-dir", str(tmp_path / "runs")]
+           "--output-dir", str(tmp_path / "runs"), "--set", "compare.enabled=false"]  # a fresh history database
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1400)
     out = proc.stdout
     verdict = json.loads(out[out.find("{"):])
