@@ -97,7 +97,8 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
             baseline = {"policy": first["baseline_policy"], "run_ids": runs}
             for r in comparison[comparison["decision"] == "regression"].itertuples(index=False):
                 failing.append({"metric": r.metric, "case": r.case or None, "ratio": r.ratio,
-                                "ci_low": r.ci_low, "ci_high": r.ci_high, "bound": r.bound})
+                                "ci_low": r.ci_low, "ci_high": r.ci_high, "bound": r.bound,
+                                "min_detectable": _finite_or_none(getattr(r, "min_detectable", None))})
         breaches = [b for b in rec.verdict.get("breaches") or []
                     if not (failing and b.get("table") == "comparison")]
         report = None
@@ -108,13 +109,31 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
                      "started_at": rec.started_at.isoformat(), "recorded_at": rec.recorded_at.isoformat(),
                      "attempts": len(attempts), "attempt_statuses": [a.status for a in attempts],
                      "baseline": baseline, "failing": failing, "breaches": breaches,
-                     "infra_errors": rec.verdict.get("infra_errors") or [], "report": report})
+                     "infra_errors": rec.verdict.get("infra_errors") or [], "report": report,
+                     "calibration": rec.verdict.get("calibration")})
     return rows
+
+
+def _finite_or_none(value: Any) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if value == value and abs(value) != float("inf") else None
+
+
+def _trust_text(calibration: dict[str, Any]) -> str:
+    gate = calibration.get("gate_false_alarms_at_bound") or {}
+    text = f"calibrated {str(calibration.get('at') or '')[:10]} ({calibration.get('aa_runs')} A/A runs)"
+    if gate:
+        text += f": gate-level false alarms {gate.get('false_alarms')}/{gate.get('comparisons')}"
+    return text
 
 
 def _ratio_text(f: dict[str, Any]) -> str:
     case = f"[{f['case']}]" if f.get("case") else ""
-    return f"{f['metric']}{case} x{f['ratio']:.3g} (CI {f['ci_low']:.3g}-{f['ci_high']:.3g})"
+    det = f", smallest detectable {f['min_detectable']:.1%}" if f.get("min_detectable") is not None else ""
+    return f"{f['metric']}{case} x{f['ratio']:.3g} (CI {f['ci_low']:.3g}-{f['ci_high']:.3g}{det})"
 
 
 def format_status(rows: Sequence[dict[str, Any]]) -> str:
@@ -137,6 +156,8 @@ def format_status(rows: Sequence[dict[str, Any]]) -> str:
         problems += [f"infra: {str(e).splitlines()[0]}" for e in r["infra_errors"]]
         for p in problems:
             lines.append(f"{'':<{width}}    - {p}")
+        if r.get("calibration"):
+            lines.append(f"{'':<{width}}    trust: {_trust_text(r['calibration'])}")
         if r["report"]:
             lines.append(f"{'':<{width}}    report: {r['report']}")
     return "\n".join(lines)

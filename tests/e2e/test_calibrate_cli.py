@@ -102,6 +102,9 @@ def test_calibrate_measures_false_alarms_and_detection_and_the_verdict_carries_t
     assert any(m["metric"] == "serving.itl_ms.median" for m in verdict["calibration"]["metrics"])
     summary = (Path(verdict["run_dir"]) / "summary.md").read_text()
     assert "**Trust:** calibrated" in summary and "3 A/A" in summary
+    status = subprocess.run([sys.executable, "-m", "servegate", "status"], cwd=REPO, env=_env(tmp_path),
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "trust: calibrated" in status.stdout and "(3 A/A runs)" in status.stdout
     assert not _workers(tmp_path)
 
 
