@@ -491,6 +491,13 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
                 pooled = np.concatenate(groups)
                 common.update(baseline_median=float(np.median(pooled)),
                               baseline_value=float(np.quantile(pooled, metric.quantile)))
+            if not metric.gate_below_min and cur.size < metric.min_samples:
+                # Not gated at this run's sample size whatever the history holds: say so the same way
+                # on the first night as on the tenth.
+                rows.append(_row(metric, case, decision="report_only", gated=False,
+                                 reason=f"{cur.size} sample(s) in this run, {metric.min_samples} needed; "
+                                        f"repeat each case to gate it", **common))
+                continue
             if not groups:
                 reason = baseline_reason or ("no baseline run has this metric" if baseline_runs
                                              else "no baseline runs: too little history")

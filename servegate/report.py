@@ -229,7 +229,7 @@ def _comparison_table(comparison: pd.DataFrame | None) -> str:
                f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]", r.n_baseline, r.n_current, f"{r.bound:.0%}"]
         if calibrated:
             row += [_pct(getattr(r, "min_detectable", math.nan)), _pct(getattr(r, "false_alarm_upper95", math.nan))]
-        rows.append(row + [r.decision, r.reason or ""])
+        rows.append(row + [r.decision, r.reason if isinstance(r.reason, str) else ""])  # NaN from the store
     headers = ["metric", "case", "unit", "baseline", "current", "ratio", "CI", "n base", "n cur", "bound"]
     if calibrated:
         headers += ["min detectable", "false alarms ≤"]

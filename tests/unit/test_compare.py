@@ -126,6 +126,8 @@ def test_one_batch_cases_are_gated_only_when_repeated() -> None:
     once = compare_tables(_run(7), _baseline())
     row = _by_metric(once, "one_batch.output_throughput.median", "bs=8,in=128,out=32")
     assert row["decision"] == "report_only" and not row["gated"] and "repeat each case" in row["reason"]
+    first_night = _by_metric(compare_tables(_run(7), []), "one_batch.latency.median", "bs=8,in=128,out=32")
+    assert first_night["decision"] == "report_only" and not first_night["gated"]  # same rule without history
     repeated = compare_tables(_run(7, repeats=3, scale=1.3), _baseline(repeats=3))
     row = _by_metric(repeated, "one_batch.latency.median", "bs=8,in=128,out=32")
     assert row["gated"] and row["decision"] == "regression" and row["n_current"] == 3
