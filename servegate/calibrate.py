@@ -28,6 +28,8 @@ For each gated metric (and one-batch case) and each candidate minimum effect (``
                             better a drop ``d`` flags when ``(1 - d) * ci_high_i < 1 - bound``);
                             the 95th percentile over comparisons (their maximum when few)
 ``detected_<P>pct``         share of the P % slowdown runs decided ``regression``
+``ratio_<P>pct``            median ratio the metric showed in the P % runs (the fault slows
+                            the forward pass only, so a metric moves by less than P %)
 ``min_detected_injected``   smallest injected slowdown detected in >= 95 % of its runs
 =========================== ===============================================================
 
@@ -236,6 +238,8 @@ def analyse(runs: Sequence[CalibrationRun], plan: CalibrationPlan, *,
                            for lo, hi, d in zip(b["ci_low"], b["ci_high"], b["direction"]))
                 rate = hits / len(b) if len(b) else math.nan
                 fig[f"detected_{pct:g}pct"] = rate
+                # The fault slows the forward pass only: how much the metric itself moved.
+                fig[f"ratio_{pct:g}pct"] = float(np.median(b["ratio"])) if len(b) else math.nan
                 if math.isnan(fig["min_detected_injected"]) and len(b) and rate >= DETECTION_TARGET:
                     fig["min_detected_injected"] = pct / 100.0
             figures.append(fig)
@@ -278,15 +282,20 @@ def format_calibration(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str
     from tabulate import tabulate
 
     det_cols = [c for c in figures.columns if c.startswith("detected_")]
+    ratio_cols = [c for c in figures.columns if c.startswith("ratio_")]
     rows = []
     for r in figures.itertuples(index=False):
         d = r._asdict()
         name = d["metric"] + (f" [{d['case']}]" if d["case"] else "")
         rows.append([name, _pct(d["bound"]), _pct(d["run_sd"]),
                      f"{d['false_alarms']}/{d['aa_comparisons']} (<= {_pct(d['false_alarm_upper95'])})",
-                     _pct(d["min_detectable"]), *[_pct(d[c]) for c in det_cols], _pct(d["min_detected_injected"])])
+                     _pct(d["min_detectable"]),
+                     *[f"{_pct(d[c])} (x{d[r]:.2f})" if isinstance(d[r], float) and math.isfinite(d[r]) else _pct(d[c])
+                       for c, r in zip(det_cols, ratio_cols)],
+                     _pct(d["min_detected_injected"])])
     headers = ["metric", "bound", "run sd", "false alarms (95% upper)", "min detectable",
-               *[c.replace("detected_", "detected +").replace("pct", "%") for c in det_cols], "min detected (inj.)"]
+               *[c.replace("detected_", "detected +").replace("pct", "% (ratio)") for c in det_cols],
+               "min detected (inj.)"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple")]
     lines.append("")
     lines.append(f"A/A runs: {summary['aa_runs']}, slowdown runs: {summary['ab_runs']}; measurement per run "
