@@ -158,6 +158,8 @@ class OneBatchConfig(_Model):
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 8])
     input_lens: list[int] = Field(default_factory=lambda: [128])
     output_lens: list[int] = Field(default_factory=lambda: [32])
+    repeats: int = Field(1, ge=1, description="measure each case this many times (fresh prompts each); "
+                                              "the baseline comparison gates a case from 3 repeats")
     skip_token_capacity_check: bool = False
     request_timeout_s: float = 600.0
     seed: int = 1

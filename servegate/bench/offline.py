@@ -36,7 +36,7 @@ __all__ = ["ONE_BATCH_COLUMNS", "run_offline_one_batch"]
 log = logging.getLogger(__name__)
 
 ONE_BATCH_COLUMNS: list[str] = [
-    "run_name", "mode", "batch_size", "input_len", "output_len", "status", "skip_reason", "error",
+    "run_name", "mode", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason", "error",
     "prefill_latency", "prefill_throughput", "median_decode_latency", "median_decode_throughput",
     "latency", "last_ttft", "ttft_ms", "input_throughput", "output_throughput", "overall_throughput",
 ]
@@ -55,9 +55,9 @@ def _synchronize(device: torch.device) -> None:
         torch.get_device_module(device).synchronize()
 
 
-def _random_input_ids(seed: int, batch_size: int, input_len: int, vocab_size: int) -> torch.Tensor:
-    # Seeded per case, so that re-running one case alone feeds it the same prompts.
-    rng = np.random.default_rng([seed, batch_size, input_len])
+def _random_input_ids(seed: int, batch_size: int, input_len: int, vocab_size: int, repeat: int = 0) -> torch.Tensor:
+    # Seeded per case (and repeat), so that re-running one case alone feeds it the same prompts.
+    rng = np.random.default_rng([seed, batch_size, input_len] + ([repeat] if repeat else []))
     ids = rng.integers(0, min(_MAX_RANDOM_TOKEN_ID, vocab_size), size=(batch_size, input_len))
     return torch.from_numpy(ids).to(torch.long)
 
@@ -137,36 +137,45 @@ def run_offline_one_batch(model: str, cfg: OneBatchConfig, *, max_total_tokens: 
     for batch_size, input_len, output_len in cases:
         row: dict[str, Any] = {
             "run_name": run_name, "mode": "offline", "batch_size": batch_size, "input_len": input_len,
-            "output_len": output_len, "status": "skipped", "skip_reason": None, "error": None,
+            "output_len": output_len, "repeat": 0, "status": "skipped", "skip_reason": None, "error": None,
         }
         reason = _capacity_skip_reason(cfg, max_total_tokens, batch_size, input_len, output_len)
         if reason is not None:
             log.info("skipping (bs=%d, in=%d, out=%d): %s", batch_size, input_len, output_len, reason)
             rows.append(row | {"skip_reason": reason})
             continue
-        input_ids = _random_input_ids(cfg.seed, batch_size, input_len, vocab_size)
-        try:
-            if not warmed_up:
-                # Like bench_one_batch: the first runnable case, shorter, unrecorded; first calls
-                # pay for allocator growth and kernel selection.
-                _run_case(lm, input_ids, min(_WARMUP_MAX_OUTPUT_LEN, output_len))
-                warmed_up = True
-            prefill_latency, decode_latencies = _run_case(lm, input_ids, output_len)
-        except (RuntimeError, MemoryError) as exc:
-            # torch reports out-of-memory and shape/kernel failures as RuntimeError; the row says
-            # which case failed and why, and the other cases still get measured.
-            log.warning("case (bs=%d, in=%d, out=%d) failed: %s", batch_size, input_len, output_len, exc)
-            rows.append(row | {"status": "failed",
-                               "error": f"{type(exc).__name__}: {exc}; the case needs "
-                                        f"{batch_size * (input_len + output_len)} KV tokens on {lm.device}: "
-                                        f"shrink it or give the machine more memory"})
-            continue
-        measured = _measured_row(batch_size, input_len, output_len, prefill_latency, decode_latencies)
-        log.info("case (bs=%d, in=%d, out=%d): prefill %.4f s, median decode %.4f s, total %.3f s",
-                 batch_size, input_len, output_len, measured["prefill_latency"],
-                 measured["median_decode_latency"], measured["latency"])
-        rows.append(row | measured)
+        for repeat in range(cfg.repeats):
+            warmed_up = _offline_case(lm, cfg, vocab_size, batch_size, input_len, output_len,
+                                      row | {"repeat": repeat}, rows, warmed_up)
 
     table = pd.DataFrame(rows, columns=ONE_BATCH_COLUMNS)
     table[_NUMERIC] = table[_NUMERIC].astype(float)
     return table
+
+
+def _offline_case(lm: Any, cfg: OneBatchConfig, vocab_size: int, batch_size: int, input_len: int, output_len: int,
+                  row: dict[str, Any], rows: list[dict[str, Any]], warmed_up: bool) -> bool:
+    """Measure one repeat of one case into ``rows``; returns whether the model is warmed up."""
+    input_ids = _random_input_ids(cfg.seed, batch_size, input_len, vocab_size, row["repeat"])
+    try:
+        if not warmed_up:
+            # Like bench_one_batch: the first runnable case, shorter, unrecorded; first calls
+            # pay for allocator growth and kernel selection.
+            _run_case(lm, input_ids, min(_WARMUP_MAX_OUTPUT_LEN, output_len))
+            warmed_up = True
+        prefill_latency, decode_latencies = _run_case(lm, input_ids, output_len)
+    except (RuntimeError, MemoryError) as exc:
+        # torch reports out-of-memory and shape/kernel failures as RuntimeError; the row says
+        # which case failed and why, and the other cases still get measured.
+        log.warning("case (bs=%d, in=%d, out=%d) failed: %s", batch_size, input_len, output_len, exc)
+        rows.append(row | {"status": "failed",
+                           "error": f"{type(exc).__name__}: {exc}; the case needs "
+                                    f"{batch_size * (input_len + output_len)} KV tokens on {lm.device}: "
+                                    f"shrink it or give the machine more memory"})
+        return warmed_up
+    measured = _measured_row(batch_size, input_len, output_len, prefill_latency, decode_latencies)
+    log.info("case (bs=%d, in=%d, out=%d): prefill %.4f s, median decode %.4f s, total %.3f s",
+             batch_size, input_len, output_len, measured["prefill_latency"],
+             measured["median_decode_latency"], measured["latency"])
+    rows.append(row | measured)
+    return warmed_up

@@ -41,7 +41,7 @@ from servegate.errors import InfraError, ServerUnreachableError, StageError
 __all__ = ["ONE_BATCH_COLUMNS", "run_one_batch", "capacity_skip_reason"]
 
 ONE_BATCH_COLUMNS: Final = [
-    "run_name", "mode", "protocol", "batch_size", "input_len", "output_len", "status", "skip_reason",
+    "run_name", "mode", "protocol", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason",
     "latency", "last_ttft", "ttft_ms", "first_ttft_ms", "input_throughput", "output_throughput",
     "overall_throughput", "total_output_tokens", "prefill_latency", "median_decode_latency",
     "token_capacity", "max_running_requests", "error",
@@ -73,7 +73,7 @@ def _row(run_name: str, protocol: str, bs: int, il: int, ol: int, cap: ServerCap
          **values: Any) -> dict[str, Any]:
     row: dict[str, Any] = {c: math.nan for c in ONE_BATCH_COLUMNS}
     row.update(run_name=run_name, mode="server", protocol=protocol, batch_size=bs, input_len=il,
-               output_len=ol, skip_reason=None, error=None, total_output_tokens=math.nan,
+               output_len=ol, repeat=0, skip_reason=None, error=None, total_output_tokens=math.nan,
                token_capacity=cap.token_capacity if cap else math.nan,
                max_running_requests=cap.max_running_requests if cap else math.nan)
     row.update(values)
@@ -86,7 +86,8 @@ def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 
 def run_one_batch(base_url: str, engine: Engine, cfg: OneBatchConfig, api_key: str | None = None, *,
                   session: requests.Session | None = None, run_name: str = "default") -> pd.DataFrame:
-    """Run the grid and return the ``one_batch`` table (one row per case).
+    """Run the grid and return the ``one_batch`` table (one row per case and repeat; a skipped
+    case has one row).
 
     A case the server rejects (HTTP error, error chunk, incomplete stream, read timeout) is a
     ``failed`` row with the error. When the server stops answering (connection refused or
@@ -109,10 +110,14 @@ def run_one_batch(base_url: str, engine: Engine, cfg: OneBatchConfig, api_key: s
                     continue
                 if engine.protocol == "openai" and model is None:
                     model = proto.fetch_model_name(http, base_url, api_key)
-                # A per-case seed: re-running one case alone sends the same prompts.
-                prompts = random_token_ids(np.random.default_rng([cfg.seed, bs, il, ol]), bs, il)
-                rows.append(_measure(http, base_url, engine.protocol, model, prompts, bs, il, ol, cap, cfg,
-                                     api_key, run_name))
+                for repeat in range(cfg.repeats):
+                    # A per-case (and per-repeat) seed: re-running one case alone sends the same prompts,
+                    # and a repeat never finds its prompts in the prefix cache.
+                    seed = [cfg.seed, bs, il, ol] + ([repeat] if repeat else [])
+                    prompts = random_token_ids(np.random.default_rng(seed), bs, il)
+                    row = _measure(http, base_url, engine.protocol, model, prompts, bs, il, ol, cap, cfg,
+                                   api_key, run_name)
+                    rows.append(row | {"repeat": repeat})
             except InfraError as exc:
                 exc.partial = _frame(rows)  # type: ignore[attr-defined]
                 raise

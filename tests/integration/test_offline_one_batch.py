@@ -114,3 +114,14 @@ def test_default_bfloat16_runs():
     cfg = OneBatchConfig(mode="offline", batch_sizes=[2], input_lens=[8], output_lens=[3])
     table = run_offline_one_batch("tiny-random", cfg)
     assert list(table["status"]) == ["measured"] and table["latency"].iloc[0] > 0
+
+
+def test_repeats_give_one_row_per_repeat_with_its_own_prompts():
+    cfg = GRID.model_copy(update={"batch_sizes": [1, 4], "input_lens": [8], "output_lens": [4], "repeats": 3})
+    table = run_offline_one_batch("tiny-random", cfg, max_total_tokens=30, dtype="float32")
+    measured = table[table["status"] == "measured"]
+    assert list(measured["repeat"]) == [0, 1, 2] and (measured["batch_size"] == 1).all()
+    assert (measured["latency"] > 0).all()
+    assert table.loc[table["status"] == "skipped", "repeat"].tolist() == [0]  # 4 * 12 > 30: one row
+    assert torch.equal(_random_input_ids(7, 1, 8, 49152, 0), _random_input_ids(7, 1, 8, 49152))
+    assert not torch.equal(_random_input_ids(7, 1, 8, 49152, 1), _random_input_ids(7, 1, 8, 49152, 2))

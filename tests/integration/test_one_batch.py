@@ -152,3 +152,17 @@ def test_worker_gone_mid_grid_keeps_the_rows_measured() -> None:
         sim.stop()
     partial = info.value.partial
     assert partial["batch_size"].tolist() == [1] and partial["status"].tolist() == ["measured"]
+
+
+def test_repeats_measure_each_case_again_with_fresh_prompts(sim: SimServer) -> None:
+    sim.state.max_running_requests = 4
+    df = run_one_batch(sim.base_url, SGLangEngine(), _cfg(batch_sizes=[1, 16], output_lens=[3], repeats=3))
+    measured = df[df["status"] == "measured"]
+    assert list(measured["repeat"]) == [0, 1, 2] and (measured["batch_size"] == 1).all()
+    skipped = df[df["status"] == "skipped"]
+    assert len(skipped) == 1 and skipped["repeat"].tolist() == [0]  # a case that cannot run: one row
+    prompts = [tuple(b["input_ids"][0]) for b in sim.state.bodies]
+    assert len(prompts) == 3 and len(set(prompts)) == 3  # no repeat is served from the prefix cache
+    # Repeat 0 sends what a single measurement of the case sends (a re-run of one case matches).
+    single = run_one_batch(sim.base_url, SGLangEngine(), _cfg(batch_sizes=[1], output_lens=[3]))
+    assert tuple(sim.state.bodies[-1]["input_ids"][0]) == prompts[0] and single["repeat"].tolist() == [0]
