@@ -146,6 +146,17 @@ class RunRecord:
 
 
 # ---- schema -------------------------------------------------------------------------------
+def _key_columns() -> list[sa.Column]:
+    """The gate key's four columns, as every per-key table holds them."""
+    return [sa.Column("workload", sa.String(200), nullable=False), sa.Column("engine", sa.String(100), nullable=False),
+            sa.Column("hardware", sa.String(200), nullable=False), sa.Column("model", sa.String(500), nullable=False)]
+
+
+def _key_match(table: sa.Table, key: GateKey) -> Any:
+    return sa.and_(table.c.workload == key.workload, table.c.engine == key.engine,
+                   table.c.hardware == key.hardware, table.c.model == key.model)
+
+
 metadata = sa.MetaData()
 
 schema_migrations = sa.Table(
@@ -160,10 +171,7 @@ runs = sa.Table(
     sa.Column("run_id", sa.String(200), primary_key=True),
     sa.Column("attempt_of", sa.String(200), sa.ForeignKey("runs.run_id"), nullable=True, index=True),
     sa.Column("attempt", sa.Integer, nullable=False),
-    sa.Column("workload", sa.String(200), nullable=False),
-    sa.Column("engine", sa.String(100), nullable=False),
-    sa.Column("hardware", sa.String(200), nullable=False),
-    sa.Column("model", sa.String(500), nullable=False),
+    *_key_columns(),
     sa.Column("status", sa.String(20), nullable=False),
     sa.Column("started_at", sa.DateTime, nullable=False),
     sa.Column("recorded_at", sa.DateTime, nullable=False),
@@ -208,10 +216,7 @@ outcomes_t = sa.Table(
 baseline_actions = sa.Table(
     "baseline_actions", metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("workload", sa.String(200), nullable=False),
-    sa.Column("engine", sa.String(100), nullable=False),
-    sa.Column("hardware", sa.String(200), nullable=False),
-    sa.Column("model", sa.String(500), nullable=False),
+    *_key_columns(),
     sa.Column("action", sa.String(40), nullable=False),
     sa.Column("run_id", sa.String(200), sa.ForeignKey("runs.run_id"), nullable=True),
     sa.Column("reason", sa.Text, nullable=False),
@@ -224,10 +229,7 @@ baseline_actions = sa.Table(
 calibrations = sa.Table(
     "calibrations", metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("workload", sa.String(200), nullable=False),
-    sa.Column("engine", sa.String(100), nullable=False),
-    sa.Column("hardware", sa.String(200), nullable=False),
-    sa.Column("model", sa.String(500), nullable=False),
+    *_key_columns(),
     sa.Column("at", sa.DateTime, nullable=False),
     sa.Column("servegate_version", sa.String(50), nullable=True),
     sa.Column("plan", sa.JSON, nullable=False),
@@ -548,8 +550,7 @@ class Store:
 
     def latest_calibration(self, key: GateKey) -> dict[str, Any] | None:
         """The newest calibration of ``key`` (``id, key, at, plan, summary, metrics``), or None."""
-        where = sa.and_(calibrations.c.workload == key.workload, calibrations.c.engine == key.engine,
-                        calibrations.c.hardware == key.hardware, calibrations.c.model == key.model)
+        where = _key_match(calibrations, key)
         try:
             with self._engine.connect() as conn:
                 row = conn.execute(sa.select(calibrations).where(where)
@@ -580,8 +581,7 @@ class Store:
 
     @staticmethod
     def _key_where(key: GateKey) -> Any:
-        return sa.and_(runs.c.workload == key.workload, runs.c.engine == key.engine,
-                       runs.c.hardware == key.hardware, runs.c.model == key.model)
+        return _key_match(runs, key)
 
     def get_run(self, run_id: str) -> RunRecord:
         found = self._records(runs.c.run_id == run_id)
@@ -678,8 +678,7 @@ class Store:
     def baseline_actions(self, key: GateKey) -> list[dict[str, Any]]:
         """Every baseline action recorded for ``key``, in the order they were recorded (a
         distribution change may carry an earlier effective ``at``; it still cancels earlier pins)."""
-        where = sa.and_(baseline_actions.c.workload == key.workload, baseline_actions.c.engine == key.engine,
-                        baseline_actions.c.hardware == key.hardware, baseline_actions.c.model == key.model)
+        where = _key_match(baseline_actions, key)
         with self._engine.connect() as conn:
             rows = conn.execute(sa.select(baseline_actions).where(where)
                                 .order_by(baseline_actions.c.id)).mappings().all()

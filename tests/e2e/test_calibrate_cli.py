@@ -3,20 +3,17 @@ injected decode slowdown, figures recorded, and the next gate verdict of the key
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
+from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
 from servegate.store import GateKey, Store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
 
 TINY = [
     "worker.model=tiny-random",
@@ -35,39 +32,16 @@ TINY = [
 ]
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["SERVEGATE_DB"] = str(tmp_path / "history.db")
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    env["HF_HUB_OFFLINE"] = "1"
-    env.pop("PREFECT_API_URL", None)
-    return env
 
 
 def _servegate(tmp_path: Path, *args: str, timeout: float = 840) -> subprocess.CompletedProcess:
     sets = [a for s in TINY for a in ("--set", s)]
-    return subprocess.run([sys.executable, "-m", "servegate", *args, *sets], cwd=REPO, env=_env(tmp_path),
+    return subprocess.run([sys.executable, "-m", "servegate", *args, *sets], cwd=REPO, env=gate_env(tmp_path),
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _json(proc: subprocess.CompletedProcess) -> dict:
-    start = proc.stdout.find("{")
-    assert start >= 0, f"no JSON on stdout.\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout[start:])
 
 
-def _workers(tmp_path: Path) -> list[psutil.Process]:
-    marker = str(tmp_path / "history.db")
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if "worker" in (p.info["cmdline"] or []):
-            try:
-                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-    return found
 
 
 def test_calibrate_measures_false_alarms_and_detection_and_the_verdict_carries_them(tmp_path: Path) -> None:
@@ -75,7 +49,7 @@ def test_calibrate_measures_false_alarms_and_detection_and_the_verdict_carries_t
     proc = _servegate(tmp_path, "calibrate", "--aa-runs", "3", "--slowdowns", "300", "--runs-per-slowdown", "1",
                       "--bounds", "0.05", "--output-dir", str(out), "--json")
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
-    doc = _json(proc)
+    doc = stdout_json(proc)
     assert doc["key"] == "smoke/embedded/cpu-2core/tiny-random" and doc["calibration_id"] == 1
     runs = doc["summary"]["runs"]
     assert [r["slowdown_pct"] for r in runs] == [0, 0, 0, 300]
@@ -96,21 +70,21 @@ def test_calibrate_measures_false_alarms_and_detection_and_the_verdict_carries_t
     # The next gate run of the key: its verdict and summary say how far to trust the comparison.
     gate = _servegate(tmp_path, "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"), "--json",
                       "--set", "compare.enabled=true")
-    verdict = _json(gate)
+    verdict = stdout_json(gate)
     assert gate.returncode == 2 and verdict["status"] == "inconclusive"  # no gate history yet
     assert verdict["calibration"]["aa_runs"] == 3 and verdict["calibration"]["bound"] == 0.05
     assert any(m["metric"] == "serving.itl_ms.median" for m in verdict["calibration"]["metrics"])
     summary = (Path(verdict["run_dir"]) / "summary.md").read_text()
     assert "**Trust:** calibrated" in summary and "3 A/A" in summary
-    status = subprocess.run([sys.executable, "-m", "servegate", "status"], cwd=REPO, env=_env(tmp_path),
+    status = subprocess.run([sys.executable, "-m", "servegate", "status"], cwd=REPO, env=gate_env(tmp_path),
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0 and "trust: calibrated" in status.stdout and "(3 A/A runs)" in status.stdout
-    assert not _workers(tmp_path)
+    assert not worker_processes(tmp_path)
 
 
 def test_calibrate_refuses_a_slowdown_an_engine_cannot_inject_before_running_anything(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "sglang-h100",
-                           "--slowdowns", "10"], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
+                           "--slowdowns", "10"], cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
     assert "embedded worker's decode fault" in proc.stderr and "--slowdowns ''" in proc.stderr

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
 
 # A smaller smoke: same stages, fewer requests, so three gate runs fit the CI budget.
 FAST = [
@@ -31,46 +31,21 @@ FAST = [
 ]
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["SERVEGATE_DB"] = str(tmp_path / "history.db")  # also marks this test's processes
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    env["HF_HUB_OFFLINE"] = "1"
-    env.pop("PREFECT_API_URL", None)
-    return env
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 840) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *FAST, *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=timeout)
 
 
-def _verdict(proc: subprocess.CompletedProcess) -> dict:
-    start = proc.stdout.find("{")
-    assert start >= 0, f"no JSON verdict on stdout.\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout[start:])
 
 
-def _worker_processes(tmp_path: Path) -> list[psutil.Process]:
-    """Embedded workers started by this test's gate (they inherit its SERVEGATE_DB)."""
-    marker = str(tmp_path / "history.db")
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "servegate" in cmd and "worker" in cmd:
-            try:
-                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-    return found
 
 
 def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     proc = _run(tmp_path)
-    verdict = _verdict(proc)
+    verdict = stdout_json(proc)
     assert proc.returncode == 0, f"{verdict}\n{proc.stderr[-4000:]}"
     assert verdict["status"] == "pass" and verdict["breaches"] == []
     run_dir = Path(verdict["run_dir"])
@@ -87,7 +62,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     assert skipped and all(r["skip_reason"] for r in skipped)
     measured = [r for r in rows if r["status"] == "measured"]
     assert measured and all(r["latency"] > 0 and r["output_throughput"] > 0 for r in measured)
-    assert not _worker_processes(tmp_path)
+    assert not worker_processes(tmp_path)
 
 
 def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
@@ -102,18 +77,18 @@ def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
     })
     (suites / "smoke.json").write_text(json.dumps(smoke))
     proc = _run(tmp_path, "--set", f"validate.expectations_dir={suites}", "--set", "occupancy.enabled=false")
-    verdict = _verdict(proc)
+    verdict = stdout_json(proc)
     assert proc.returncode == 1, f"{verdict}\n{proc.stderr[-4000:]}"
     assert verdict["status"] == "fail"
     named = [b for b in verdict["breaches"] if b["column"] == "output_throughput"]
     assert named, verdict["breaches"]
-    assert not _worker_processes(tmp_path)
+    assert not worker_processes(tmp_path)
 
 
 def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: Path):
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *FAST, "--set", "serving.num_prompts=40", "--set", "serving.request_rate=2"]
-    gate = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    gate = subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         # Wait until the serving stage is under way (one-batch table written, serving not yet).
@@ -141,4 +116,4 @@ def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: P
     run_dir = Path(verdict["run_dir"])
     assert (run_dir / "one_batch.csv").is_file()  # measured before the kill: kept
     assert not killed.is_running() or killed.status() == psutil.STATUS_ZOMBIE
-    assert not _worker_processes(tmp_path)
+    assert not worker_processes(tmp_path)

@@ -14,19 +14,17 @@ share one history database, as three nights of one gate key would:
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import pytest
+from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
-REPO = Path(__file__).resolve().parents[2]
 
 # The smoke gate with fewer requests and no quality stage (it has no relative check), plus the
 # baseline comparison a nightly profile turns on.
@@ -47,61 +45,36 @@ SHOWN = ["metric", "case", "ratio", "ci_low", "ci_high", "n_baseline", "n_curren
          "decision", "reason"]
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["SERVEGATE_DB"] = str(tmp_path / "history.db")  # the shared history; also marks this test's processes
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    env["HF_HUB_OFFLINE"] = "1"
-    env.pop("PREFECT_API_URL", None)
-    return env
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *FAST, *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=timeout)
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "servegate", *args, "--db", str(tmp_path / "history.db")]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (f"{cmd} exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                                   f"stderr:\n{proc.stderr[-3000:]}")
     return proc
 
 
-def _verdict(proc: subprocess.CompletedProcess) -> dict:
-    start = proc.stdout.find("{")
-    assert start >= 0, f"no JSON verdict on stdout.\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout[start:])
 
 
-def _worker_processes(tmp_path: Path) -> list[psutil.Process]:
-    """Embedded workers started by this test's gates (they inherit its SERVEGATE_DB)."""
-    marker = str(tmp_path / "history.db")
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "servegate" in cmd and "worker" in cmd:
-            try:
-                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-    return found
 
 
 def _night(tmp_path: Path, *args: str, expect_exit: int) -> tuple[dict, Path, pd.DataFrame]:
     """One gate run: its verdict, run folder and comparison table; checks exit code and teardown."""
     proc = _run(tmp_path, *args)
-    verdict = _verdict(proc)
+    verdict = stdout_json(proc)
     run_dir = Path(verdict["run_dir"])
     table = run_dir / "comparison.parquet"
     comparison = pd.read_parquet(table) if table.is_file() else pd.DataFrame(columns=SHOWN)
     assert proc.returncode == expect_exit, (f"exit {proc.returncode}, wanted {expect_exit}\n{verdict}\n"
                                             f"{_shown(comparison)}\nstderr:\n{proc.stderr[-4000:]}")
-    assert not _worker_processes(tmp_path), "a worker outlived its gate run"
+    assert not worker_processes(tmp_path), "a worker outlived its gate run"
     assert table.is_file(), f"no comparison table in {sorted(p.name for p in run_dir.iterdir())}"
     return verdict, run_dir, comparison
 
@@ -180,4 +153,4 @@ def test_nightly_runs_build_history_pass_unchanged_and_fail_a_decode_slowdown(tm
         assert failing[row.metric]["ratio"] == pytest.approx(row.ratio, rel=1e-9)
         assert failing[row.metric]["ci_low"] == pytest.approx(row.ci_low, rel=1e-9)
 
-    assert not _worker_processes(tmp_path)
+    assert not worker_processes(tmp_path)

@@ -10,19 +10,17 @@ serving only, carries one-batch from the original folder, and passes (exit 0).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import pytest
+from e2eutil import REPO, gate_env, worker_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
 
 TINY = [
     "--set", "warmup.num_requests=1", "--set", "warmup.max_new_tokens=8",
@@ -51,38 +49,16 @@ def _expectations_without_speed_bounds(tmp_path: Path) -> Path:
     return suites
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    env["HF_HUB_OFFLINE"] = "1"
-    env["SERVEGATE_DB"] = str(tmp_path / "history.db")
-    env.pop("PREFECT_API_URL", None)
-    env.pop("SERVEGATE_DEVICE_SLOT", None)
-    return env
 
 
 def _cli(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run([sys.executable, "-m", "servegate", *args], cwd=REPO, env=_env(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "servegate", *args], cwd=REPO, env=gate_env(tmp_path),
                           capture_output=True, text=True, timeout=840)
     start = min((i for i in (proc.stdout.find("{"), proc.stdout.find("[")) if i >= 0), default=-1)
     assert start >= 0, f"no JSON on stdout.\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return proc, json.loads(proc.stdout[start:])
 
 
-def _worker_processes(tmp_path: Path) -> list[psutil.Process]:
-    """Embedded workers started by this test's CLI runs (they inherit its SERVEGATE_DB); other
-    workers on a shared machine are not ours to count."""
-    mine = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "servegate" in cmd and "worker" in cmd:
-            try:
-                if p.environ().get("SERVEGATE_DB") == str(tmp_path / "history.db"):
-                    mine.append(p)
-            except (psutil.AccessDenied, psutil.NoSuchProcess):
-                continue
-    return mine
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -142,4 +118,4 @@ def test_rerun_serving_after_crash_passes_and_keeps_the_first_attempt(tmp_path: 
     assert status.returncode == 0
     (row,) = rows
     assert row["status"] == "pass" and row["attempts"] == 2 and row["attempt_statuses"] == ["inconclusive", "pass"]
-    assert not _worker_processes(tmp_path)
+    assert not worker_processes(tmp_path)

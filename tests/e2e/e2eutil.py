@@ -1,0 +1,47 @@
+"""Helpers shared by the end-to-end tests: each test's processes get their own history database,
+Prefect home and (through SERVEGATE_DB) a marker that finds the workers its gates started."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gate_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a servegate CLI run that belongs to this test only."""
+    env = dict(os.environ)
+    env["SERVEGATE_DB"] = str(tmp_path / "history.db")  # the test's history; also marks its processes
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("PREFECT_API_URL", None)
+    env.pop("SERVEGATE_DEVICE_SLOT", None)  # a test's gates never take a device machine's slot
+    return env
+
+
+def stdout_json(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON document a ``--json`` command printed (after any log lines)."""
+    start = proc.stdout.find("{")
+    assert start >= 0, f"no JSON on stdout.\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout[start:])
+
+
+def worker_processes(tmp_path: Path) -> list[psutil.Process]:
+    """Live embedded workers started by this test's gates (they inherit its SERVEGATE_DB)."""
+    marker = str(tmp_path / "history.db")
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "servegate" in cmd and "worker" in cmd:
+            try:
+                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    return found
