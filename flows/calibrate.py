@@ -75,7 +75,7 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
                                                     "measurement_s": r.measurement_s} for r in runs], indent=2))
     assert key is not None  # the schedule always holds at least two runs
     figures, comparisons, _ = analyse(runs, the_plan, tail_bound=config.compare.tail_bound)
-    summary = summarise(runs, figures, comparisons, the_plan)
+    summary = summarise(runs, figures, comparisons, the_plan, tail_bound=config.compare.tail_bound)
     figures.to_csv(out / "calibration.csv", index=False)
     comparisons.drop(columns=["baseline_runs"]).to_csv(out / "comparisons.csv", index=False)
     records = figures_records(figures)

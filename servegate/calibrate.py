@@ -247,7 +247,7 @@ def analyse(runs: Sequence[CalibrationRun], plan: CalibrationPlan, *,
 
 
 def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons: pd.DataFrame,
-              plan: CalibrationPlan) -> dict[str, Any]:
+              plan: CalibrationPlan, *, tail_bound: float = DEFAULT_TAIL_BOUND) -> dict[str, Any]:
     """Gate-level figures: how often any gated metric false-alarmed, measurement time per decision."""
     a_measure = [r.measurement_s for r in runs if r.slowdown_pct == 0 and math.isfinite(r.measurement_s)]
     per_run = float(np.median(a_measure)) if a_measure else math.nan
@@ -256,7 +256,7 @@ def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons
     for bound in plan.bounds:
         flagged = 0
         for _, rows in aa.groupby("run"):
-            eff = np.where(rows["statistic"] == "median", bound, np.maximum(bound, DEFAULT_TAIL_BOUND))
+            eff = np.where(rows["statistic"] == "median", bound, tail_bound)  # tails: their own bound, as analyse
             flagged += any(decide(lo, hi, d, b) == "regression"
                            for lo, hi, d, b in zip(rows["ci_low"], rows["ci_high"], rows["direction"], eff))
         n = int(aa["run"].nunique())
