@@ -55,7 +55,7 @@ from scipy import stats
 from servegate.compare import (DEFAULT_TAIL_BOUND, GATED_METRICS, GatedMetric, compare_tables, decide,
                                estimate_run_noise)
 from servegate.config import GateConfig
-from servegate.errors import ConfigError
+from servegate.errors import ConfigError, InfraError
 
 __all__ = [
     "CalibrationPlan",
@@ -182,6 +182,7 @@ def _comparisons(runs: Sequence[CalibrationRun], plan: CalibrationPlan, run_nois
 
 
 def _upper95(k: int, n: int) -> float:
+    # The one-sided 95 % upper bound is the upper end of the two-sided 90 % Clopper-Pearson interval.
     return float(stats.binomtest(k, n).proportion_ci(confidence_level=0.90, method="exact").high) if n else math.nan
 
 
@@ -210,8 +211,8 @@ def analyse(runs: Sequence[CalibrationRun], plan: CalibrationPlan, *,
     """
     a_runs = [r for r in runs if r.slowdown_pct == 0 and r.tables]
     if len(a_runs) < 2:
-        raise ConfigError(f"{len(a_runs)} A/A run(s) produced tables; calibration needs at least 2 "
-                          f"(see the runs' verdicts and worker.log files)")
+        raise InfraError(f"{len(a_runs)} A/A run(s) produced tables; calibration needs at least 2 "
+                         f"(see the runs' verdicts and worker.log files, then calibrate again)")
     run_noise = estimate_run_noise([r.tables for r in a_runs], metrics, seed=seed)
     comps = _comparisons([r for r in runs if r.tables], plan, run_noise, metrics, seed)
     figures = []
@@ -356,7 +357,6 @@ def cmd_calibrate(args: Any) -> int:
     import pandas as pd
 
     from servegate.config import load_config
-    from servegate.errors import InfraError
 
     overrides = list(args.overrides)
     if args.db:

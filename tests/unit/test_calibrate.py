@@ -13,7 +13,7 @@ from servegate.calibrate import (SLOWDOWN_FLAG, CalibrationPlan, CalibrationRun,
                                  measurement_seconds, run_config, schedule, summarise)
 from servegate.compare import calibration_figures, calibration_summary, compare_run, compare_tables
 from servegate.config import load_config
-from servegate.errors import ConfigError
+from servegate.errors import ConfigError, InfraError
 from servegate.store import GateKey, Store
 from servegate.verdict import calibration_text
 
@@ -129,7 +129,7 @@ def test_analysis_needs_two_a_runs_with_tables() -> None:
     plan = CalibrationPlan(aa_runs=2, slowdowns_pct=(30.0,), runs_per_slowdown=1)
     runs = _runs(plan)
     runs[1].tables = {}  # its gate run broke: left out
-    with pytest.raises(ConfigError, match="1 A/A run"):
+    with pytest.raises(InfraError, match="1 A/A run"):
         analyse(runs, plan)
 
 
