@@ -232,35 +232,67 @@ def _thin_clusters(clusters: Sequence[np.ndarray], rng: np.random.Generator, cap
     return [clusters[i] for i in sorted(rng.choice(len(clusters), size=keep, replace=False))]
 
 
+def _cluster_weights(b: int, rng: np.random.Generator, sizes: Sequence[np.ndarray], run_of_cluster: np.ndarray,
+                     lengths: np.ndarray) -> np.ndarray:
+    """(b, clusters) weight of one value of each cluster in ``b`` two-stage bootstrap replicates
+    (runs drawn with replacement at equal mass, then each run's clusters); each row's values sum to 1."""
+    r = len(sizes)
+    run_mass = (rng.multinomial(r, np.full(r, 1 / r), size=b) / r) if r > 1 else np.ones((b, 1))
+    mult = np.concatenate([rng.multinomial(s.size, np.full(s.size, 1 / s.size), size=b) for s in sizes], axis=1)
+    resampled = np.stack([(mult[:, run_of_cluster == j] * lengths[run_of_cluster == j]).sum(axis=1)
+                          for j in range(r)], axis=1)  # (b, r) values per resampled run
+    return run_mass[:, run_of_cluster] * mult / resampled[:, run_of_cluster]
+
+
 def _bootstrap_median_clustered(runs: Sequence[Sequence[np.ndarray]], n_boot: int,
-                                rng: np.random.Generator) -> np.ndarray:
+                                rng: np.random.Generator, *, band: bool = True) -> np.ndarray:
     """``n_boot`` bootstrap replicates of the median over runs made of clusters (requests).
 
     Each replicate draws the runs with replacement (each drawn run has equal mass, as in
     :func:`_bootstrap_median`), then each run's clusters with replacement; a value's weight is
     its run's mass times its cluster's multiplicity over the run's resampled size, and the
-    replicate's median is the weighted median over the pooled sorted values. Done in chunks of
-    replicates so that memory stays ~32 MB whatever the sample size.
+    replicate's median is the weighted median over the pooled sorted values.
+
+    The weighted CDF is only accumulated over a band of the sorted values around the pooled
+    median (its width from 64 pilot replicates, with a wide margin); the mass below the band
+    comes from per-cluster counts. A replicate whose median falls outside the band is computed
+    over all values, so the result is that of the full computation (``band=False``) up to
+    floating-point rounding where a CDF crosses 0.5 (a neighbouring value), and faster on
+    large runs (``benchmarks/compare_cost.py``). Chunked so that memory stays ~32 MB whatever the sample size.
     """
     sizes = [np.array([c.size for c in run]) for run in runs]
     values = np.concatenate([np.concatenate(list(run)) for run in runs])
-    r = len(runs)
+    n = values.size
     cluster_of = np.repeat(np.arange(sum(s.size for s in sizes)), np.concatenate(sizes))
-    run_of_cluster = np.repeat(np.arange(r), [s.size for s in sizes])
+    run_of_cluster = np.repeat(np.arange(len(runs)), [s.size for s in sizes])
     order = np.argsort(values, kind="stable")
     v, cluster_sorted = values[order], cluster_of[order]
     lengths = np.concatenate(sizes).astype(float)
+
+    def full_index(w: np.ndarray) -> np.ndarray:
+        cdf = np.cumsum(w[:, cluster_sorted], axis=1)
+        return np.minimum((cdf < 0.5 * cdf[:, -1:]).sum(axis=1), n - 1)
+
+    pilot_rng = np.random.default_rng(rng.integers(2**63))  # drawn either way: band on/off agree
+    lo_i, hi_i = 0, n
+    if band and n > 20_000:
+        pos = full_index(_cluster_weights(64, pilot_rng, sizes, run_of_cluster, lengths)) / n
+        delta = min(0.5, max(0.02, 8 * float(pos.std()) + 0.01))
+        lo_i, hi_i = max(0, int((0.5 - delta) * n)), min(n, int(math.ceil((0.5 + delta) * n)))
+    below = np.bincount(cluster_sorted[:lo_i], minlength=lengths.size).astype(float)
+    band_clusters = cluster_sorted[lo_i:hi_i]
     out = np.empty(n_boot)
-    chunk = max(1, int(4_000_000 // values.size))
+    chunk = max(1, int(4_000_000 // n))  # as without the band: the same random stream either way
     for start in range(0, n_boot, chunk):
         b = min(chunk, n_boot - start)
-        run_mass = (rng.multinomial(r, np.full(r, 1 / r), size=b) / r) if r > 1 else np.ones((b, 1))
-        mult = np.concatenate([rng.multinomial(s.size, np.full(s.size, 1 / s.size), size=b) for s in sizes], axis=1)
-        resampled = np.stack([(mult[:, run_of_cluster == j] * lengths[run_of_cluster == j]).sum(axis=1)
-                              for j in range(r)], axis=1)  # (b, r) values per resampled run
-        cluster_weight = run_mass[:, run_of_cluster] * mult / resampled[:, run_of_cluster]
-        cdf = np.cumsum(cluster_weight[:, cluster_sorted], axis=1)
-        idx = np.minimum((cdf < 0.5 * cdf[:, -1:]).sum(axis=1), values.size - 1)
+        w = _cluster_weights(b, rng, sizes, run_of_cluster, lengths)
+        base = w @ below
+        half = 0.5 * (w @ lengths)
+        k = (base[:, None] + np.cumsum(w[:, band_clusters], axis=1) < half[:, None]).sum(axis=1)
+        idx = np.minimum(lo_i + k, n - 1)
+        outside = ((lo_i > 0) & (base >= half)) | ((hi_i < n) & (k == hi_i - lo_i))
+        if outside.any():
+            idx[outside] = full_index(w[outside])
         out[start:start + b] = v[idx]
     return out
 
