@@ -27,7 +27,9 @@ per token, per scrape) are compared with the baseline runs' pooled raw samples:
   order statistic does not exist (about 440 samples are needed for a p99 at 95 %), the
   interval is unbounded and the row is ``report_only`` — a p99 from 16 requests is its
   maximum and gating on it only produces false alarms. Tails also get a wider minimum effect
-  (:data:`DEFAULT_TAIL_BOUND`).
+  (:data:`DEFAULT_TAIL_BOUND`). Those intervals assume independent samples, so for ITL they
+  only decide *whether* the tail is gated; its interval then comes from the per-request
+  bootstrap at the 0.99 quantile (:func:`ratio_ci_quantile_clustered`).
 
 Decisions, with ``bound`` the minimum effect that matters (``DEFAULT_BOUND`` = 5 %) — a
 non-inferiority test, so that "no regression" is shown, not assumed:
@@ -78,6 +80,7 @@ __all__ = [
     "calibration_summary",
     "ratio_ci_median",
     "ratio_ci_quantile",
+    "ratio_ci_quantile_clustered",
     "decide",
     "compare_tables",
     "compare_run",
@@ -244,9 +247,20 @@ def _cluster_weights(b: int, rng: np.random.Generator, sizes: Sequence[np.ndarra
     return run_mass[:, run_of_cluster] * mult / resampled[:, run_of_cluster]
 
 
+def _thin_clustered_sides(current: Sequence[np.ndarray], baseline_groups: Sequence[Sequence[np.ndarray]],
+                          rng: np.random.Generator) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """Each side cut to :data:`MAX_CLUSTERED_VALUES` values by dropping whole requests (seeded);
+    the baseline runs keep their proportions."""
+    pooled = sum(_flat(g).size for g in baseline_groups)
+    cap = max(1, MAX_CLUSTERED_VALUES * max(_flat(g).size for g in baseline_groups) // max(pooled, 1))
+    return (_thin_clusters(current, rng, MAX_CLUSTERED_VALUES),
+            [_thin_clusters(g, rng, cap) for g in baseline_groups])
+
+
 def _bootstrap_median_clustered(runs: Sequence[Sequence[np.ndarray]], n_boot: int,
-                                rng: np.random.Generator, *, band: bool = True) -> np.ndarray:
-    """``n_boot`` bootstrap replicates of the median over runs made of clusters (requests).
+                                rng: np.random.Generator, *, band: bool = True, q: float = 0.5) -> np.ndarray:
+    """``n_boot`` bootstrap replicates of the median (the ``q``-quantile) over runs made of
+    clusters (requests).
 
     Each replicate draws the runs with replacement (each drawn run has equal mass, as in
     :func:`_bootstrap_median`), then each run's clusters with replacement; a value's weight is
@@ -271,14 +285,14 @@ def _bootstrap_median_clustered(runs: Sequence[Sequence[np.ndarray]], n_boot: in
 
     def full_index(w: np.ndarray) -> np.ndarray:
         cdf = np.cumsum(w[:, cluster_sorted], axis=1)
-        return np.minimum((cdf < 0.5 * cdf[:, -1:]).sum(axis=1), n - 1)
+        return np.minimum((cdf < q * cdf[:, -1:]).sum(axis=1), n - 1)
 
     pilot_rng = np.random.default_rng(rng.integers(2**63))  # drawn either way: band on/off agree
     lo_i, hi_i = 0, n
     if band and n > 20_000:
         pos = full_index(_cluster_weights(64, pilot_rng, sizes, run_of_cluster, lengths)) / n
         delta = min(0.5, max(0.02, 8 * float(pos.std()) + 0.01))
-        lo_i, hi_i = max(0, int((0.5 - delta) * n)), min(n, int(math.ceil((0.5 + delta) * n)))
+        lo_i, hi_i = max(0, int((q - delta) * n)), min(n, int(math.ceil((q + delta) * n)))
     below = np.bincount(cluster_sorted[:lo_i], minlength=lengths.size).astype(float)
     band_clusters = cluster_sorted[lo_i:hi_i]
     out = np.empty(n_boot)
@@ -287,7 +301,7 @@ def _bootstrap_median_clustered(runs: Sequence[Sequence[np.ndarray]], n_boot: in
         b = min(chunk, n_boot - start)
         w = _cluster_weights(b, rng, sizes, run_of_cluster, lengths)
         base = w @ below
-        half = 0.5 * (w @ lengths)
+        half = q * (w @ lengths)
         k = (base[:, None] + np.cumsum(w[:, band_clusters], axis=1) < half[:, None]).sum(axis=1)
         idx = np.minimum(lo_i + k, n - 1)
         outside = ((lo_i > 0) & (base >= half)) | ((hi_i < n) & (k == hi_i - lo_i))
@@ -407,10 +421,7 @@ def ratio_ci_median(current: Samples, baseline_groups: Sequence[Samples], *,
     rng = np.random.default_rng(seed)
     clustered = not isinstance(current, np.ndarray)
     if clustered:
-        current = _thin_clusters(current, rng, MAX_CLUSTERED_VALUES)
-        pooled = sum(_flat(g).size for g in baseline_groups)
-        cap = max(1, MAX_CLUSTERED_VALUES * max(_flat(g).size for g in baseline_groups) // max(pooled, 1))
-        baseline_groups = [_thin_clusters(g, rng, cap) for g in baseline_groups]
+        current, baseline_groups = _thin_clustered_sides(current, baseline_groups, rng)
     else:
         current = _thin(current, rng, MAX_SAMPLES_PER_SIDE)
         pooled = sum(g.size for g in baseline_groups)
@@ -455,6 +466,25 @@ def ratio_ci_quantile(current: np.ndarray, baseline: np.ndarray, p: float = 0.99
     low = c_low / b_high if b_high and math.isfinite(b_high) and math.isfinite(c_low) else math.nan
     high = c_high / b_low if b_low and math.isfinite(b_low) and math.isfinite(c_high) else math.nan
     return ratio, low, high
+
+
+def ratio_ci_quantile_clustered(current: Sequence[np.ndarray], baseline_groups: Sequence[Sequence[np.ndarray]],
+                                p: float, *, confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT,
+                                seed: int = 0) -> tuple[float, float]:
+    """``(ci_low, ci_high)`` of the ratio of p-quantiles when samples come in clusters (per-request
+    percentile bootstrap, baseline runs resampled first)."""
+    rng = np.random.default_rng(seed)
+    current, baseline_groups = _thin_clustered_sides(current, baseline_groups, rng)
+    cur = _bootstrap_median_clustered([current], n_boot, rng, q=p)
+    base = _bootstrap_median_clustered(baseline_groups, n_boot, rng, q=p)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = cur / base
+    ratios = ratios[np.isfinite(ratios)]
+    if ratios.size < n_boot // 2:
+        return math.nan, math.nan
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(ratios, [alpha, 1 - alpha])
+    return float(low), float(high)
 
 
 def decide(ci_low: float, ci_high: float, direction: Direction, bound: float) -> str:
@@ -562,6 +592,13 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
                 gated = math.isfinite(low) and math.isfinite(high)
                 reason = None if gated else (f"{metric.statistic} of n={cur.size} vs n={n_base} has no finite "
                                              f"order-statistic bound at {confidence:.0%}; reported, not gated")
+                if gated and metric.list_column:
+                    # The order-statistic interval assumes independent samples; a request's tokens are
+                    # not, so a tail of tokens is bounded by resampling requests instead.
+                    low, high = ratio_ci_quantile_clustered(
+                        extract_requests(metric, current).get(case, [cur]),
+                        [c for c in (extract_requests(metric, t).get(case) for _, t in baseline_runs) if c],
+                        metric.quantile, confidence=confidence, n_boot=n_boot, seed=seed + 1009 * m_index + c_index)
             if not math.isfinite(ratio):
                 rows.append(_row(metric, case, decision="insufficient_data", ratio=ratio, ci_low=low, ci_high=high,
                                  reason="baseline statistic is 0: a ratio is undefined", **common))

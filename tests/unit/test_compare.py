@@ -230,3 +230,19 @@ def test_banded_per_request_bootstrap_equals_the_full_computation() -> None:
     # The same replicates; a CDF summed in another order may cross 0.5 one value earlier or later.
     assert (banded == full).mean() > 0.97
     np.testing.assert_allclose(banded, full, rtol=1e-3)
+
+
+def test_itl_tail_interval_resamples_requests_once_the_tail_is_gated() -> None:
+    from servegate.compare import ratio_ci_quantile_clustered
+
+    rng = np.random.default_rng(8)
+    cur, base = _requests(rng, 200, 64), [_requests(rng, 200, 64)]
+    flat = ratio_ci_quantile(np.concatenate(cur), np.concatenate(base[0]), 0.99)
+    low, high = ratio_ci_quantile_clustered(cur, base, 0.99, n_boot=500)
+    assert low < 1 < high and (high - low) > 2 * (flat[2] - flat[1])  # correlated tokens: a wider, honest CI
+    df = compare_tables({"serving_requests": pd.DataFrame({"itls_ms": [list(c) for c in cur], "success": True})},
+                        [("b", {"serving_requests": pd.DataFrame({"itls_ms": [list(c) for c in base[0]],
+                                                                  "success": True})})], n_boot=500)
+    row = _by_metric(df, "serving.itl_ms.p99")
+    assert row["gated"] and row["ci_low"] < 1 < row["ci_high"] and row["decision"] in ("no_change", "inconclusive")
+    assert (row["ci_high"] - row["ci_low"]) > 2 * (flat[2] - flat[1])
