@@ -16,8 +16,8 @@ from typing import Any
 
 from prefect import flow
 
-from servegate.calibrate import (CalibrationPlan, CalibrationRun, analyse, figures_records, format_calibration,
-                                 measurement_seconds, run_config, schedule, summarise)
+from servegate.calibrate import (COMPARED_TABLES, CalibrationPlan, CalibrationRun, analyse, figures_records,
+                                 format_calibration, measurement_seconds, run_config, schedule, summarise)
 from servegate.config import GateConfig
 from servegate.flows.gate import regression_gate
 from servegate.gate import resolve_config
@@ -26,8 +26,6 @@ from servegate.store import GateKey, Store
 from servegate.tasks._artifacts import publish
 
 logger = logging.getLogger("servegate.flows.calibrate")
-
-COMPARED_TABLES = ("serving_requests", "one_batch", "occupancy_samples")
 
 
 def _load_run(index: int, slowdown_pct: float, result: dict[str, Any]) -> CalibrationRun:
@@ -60,20 +58,14 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
     out = Path(output_dir) if output_dir else Path(config.output_dir) / f"calibration-{config.name}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     runs: list[CalibrationRun] = []
-    key: GateKey | None = None
+    key = GateKey.from_run({}, config.model_dump(mode="json", by_alias=True))  # what each run's manifest records
     order = schedule(the_plan)
     for index, pct in enumerate(order):
         logger.info("calibration run %d/%d: %s", index + 1, len(order), "A (unchanged)" if not pct else f"+{pct:g}%")
         result = regression_gate(config=run_config(config, pct, out / "runs"))
         run = _load_run(index, pct, result)
         runs.append(run)
-        if key is None:
-            folder = RunFolder.open(run.run_dir)
-            key = GateKey.from_run(folder.manifest.model_dump(mode="json"), folder.read_json("config"))
-        (out / "runs.json").write_text(json.dumps([{"index": r.index, "slowdown_pct": r.slowdown_pct,
-                                                    "status": r.status, "run_dir": r.run_dir,
-                                                    "measurement_s": r.measurement_s} for r in runs], indent=2))
-    assert key is not None  # the schedule always holds at least two runs
+        (out / "runs.json").write_text(json.dumps([r.record() for r in runs], indent=2))
     figures, comparisons, _ = analyse(runs, the_plan, tail_bound=config.compare.tail_bound)
     summary = summarise(runs, figures, comparisons, the_plan, tail_bound=config.compare.tail_bound)
     figures.to_csv(out / "calibration.csv", index=False)

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,11 @@ from scipy import stats
 
 from servegate.compare import (DEFAULT_TAIL_BOUND, GATED_METRICS, GatedMetric, compare_tables, decide,
                                estimate_run_noise)
+from servegate.calibrate_cli import CalibrationPlan
 from servegate.config import GateConfig
 from servegate.errors import ConfigError, InfraError
+from servegate.gate import MEASUREMENT_STAGES
+from servegate.verdict import TABLE_STAGE, percent_text
 
 __all__ = [
     "CalibrationPlan",
@@ -65,41 +68,17 @@ __all__ = [
     "analyse",
     "summarise",
     "format_calibration",
-    "MEASUREMENT_STAGES",
+    "COMPARED_STAGES",
+    "COMPARED_TABLES",
 ]
 
-MEASUREMENT_STAGES = ("one_batch", "serving", "occupancy")
-"""Stages whose wall time counts as measurement (launch, warm-up, flushes and quality do not)."""
+COMPARED_TABLES: tuple[str, ...] = tuple(dict.fromkeys(m.table for m in GATED_METRICS))
+"""The tables the baseline comparison reads: all a calibration run needs to keep."""
+COMPARED_STAGES: tuple[str, ...] = tuple(s for s in MEASUREMENT_STAGES if s in {TABLE_STAGE[t] for t in COMPARED_TABLES})
+"""Stages whose wall time counts as measurement: those producing compared tables (launch,
+warm-up, flushes and quality do not)."""
 SLOWDOWN_FLAG = "--fault-decode-slowdown-pct"
 DETECTION_TARGET = 0.95
-
-
-@dataclass(frozen=True)
-class CalibrationPlan:
-    """How many gate runs calibration makes, and which figures it derives."""
-
-    aa_runs: int = 6
-    slowdowns_pct: tuple[float, ...] = (5.0, 10.0, 30.0)
-    runs_per_slowdown: int = 2
-    bounds: tuple[float, ...] = (0.02, 0.05)
-    baseline_n: int = 5
-    confidence: float = 0.95
-    n_boot: int = 2000
-
-    def __post_init__(self) -> None:
-        if self.aa_runs < 2:
-            raise ConfigError(f"calibration needs at least 2 A/A runs (--aa-runs), got {self.aa_runs}")
-        if any(not (math.isfinite(p) and p > 0) for p in self.slowdowns_pct):
-            raise ConfigError(f"slowdowns are percentages > 0 (e.g. --slowdowns 5,10,30), got {self.slowdowns_pct}")
-        if self.slowdowns_pct and self.runs_per_slowdown < 1:
-            raise ConfigError("--runs-per-slowdown must be >= 1 when slowdowns are given")
-        if not self.bounds or any(not 0 < b < 1 for b in self.bounds):
-            raise ConfigError(f"bounds are fractions in (0, 1) (e.g. --bounds 0.02,0.05), got {self.bounds}")
-        if self.baseline_n < 1:
-            raise ConfigError(f"--baseline-n must be >= 1, got {self.baseline_n}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -116,6 +95,11 @@ class CalibrationRun:
     @property
     def label(self) -> str:
         return "A" if self.slowdown_pct == 0 else f"+{self.slowdown_pct:g}%"
+
+    def record(self) -> dict[str, Any]:
+        """The run as calibration records it (``runs.json``, the summary's ``runs``)."""
+        return {"index": self.index, "slowdown_pct": self.slowdown_pct, "status": self.status,
+                "run_dir": self.run_dir, "measurement_s": self.measurement_s}
 
 
 def schedule(plan: CalibrationPlan) -> list[float]:
@@ -156,7 +140,7 @@ def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path) -> Gat
 def measurement_seconds(stages: Mapping[str, Mapping[str, Any]]) -> float:
     """Wall time of the measurement stages of one run (from its ``stages.json``)."""
     return float(sum(float(s.get("duration_s") or 0.0) for name, s in stages.items()
-                     if name in MEASUREMENT_STAGES and s.get("status") == "ok"))
+                     if name in COMPARED_STAGES and s.get("status") == "ok"))
 
 
 # ---- analysis -------------------------------------------------------------------------------
@@ -264,8 +248,7 @@ def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons
         gate_level[f"{bound:g}"] = {"comparisons": n, "false_alarms": flagged,
                                     "false_alarm_upper95": _upper95(flagged, n)}
     return {
-        "runs": [{"index": r.index, "slowdown_pct": r.slowdown_pct, "status": r.status, "run_dir": r.run_dir,
-                  "measurement_s": r.measurement_s} for r in runs],
+        "runs": [r.record() for r in runs],
         "aa_runs": sum(1 for r in runs if r.slowdown_pct == 0 and r.tables),
         "ab_runs": sum(1 for r in runs if r.slowdown_pct and r.tables),
         "measurement_s_per_run": per_run,
@@ -273,9 +256,6 @@ def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons
         "gate_false_alarms": gate_level,
     }
 
-
-def _pct(value: Any) -> str:
-    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{100 * value:.1f}%"
 
 
 def format_calibration(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str:
@@ -288,12 +268,12 @@ def format_calibration(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str
     for r in figures.itertuples(index=False):
         d = r._asdict()
         name = d["metric"] + (f" [{d['case']}]" if d["case"] else "")
-        rows.append([name, _pct(d["bound"]), _pct(d["run_sd"]),
-                     f"{d['false_alarms']}/{d['aa_comparisons']} (<= {_pct(d['false_alarm_upper95'])})",
-                     _pct(d["min_detectable"]),
-                     *[f"{_pct(d[c])} (x{d[r]:.2f})" if isinstance(d[r], float) and math.isfinite(d[r]) else _pct(d[c])
+        rows.append([name, percent_text(d["bound"]), percent_text(d["run_sd"]),
+                     f"{d['false_alarms']}/{d['aa_comparisons']} (<= {percent_text(d['false_alarm_upper95'])})",
+                     percent_text(d["min_detectable"]),
+                     *[f"{percent_text(d[c])} (x{d[r]:.2f})" if isinstance(d[r], float) and math.isfinite(d[r]) else percent_text(d[c])
                        for c, r in zip(det_cols, ratio_cols)],
-                     _pct(d["min_detected_injected"])])
+                     percent_text(d["min_detected_injected"])])
     headers = ["metric", "bound", "run sd", "false alarms (95% upper)", "min detectable",
                *[c.replace("detected_", "detected +").replace("pct", "% (ratio)") for c in det_cols],
                "min detected (inj.)"]
@@ -304,7 +284,7 @@ def format_calibration(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str
                  f"{summary['measurement_s_per_decision']:.0f} s")
     for bound, g in summary["gate_false_alarms"].items():
         lines.append(f"gate-level false alarms at bound {float(bound):.0%}: {g['false_alarms']}/{g['comparisons']} "
-                     f"A/A comparisons (95% upper bound {_pct(g['false_alarm_upper95'])})")
+                     f"A/A comparisons (95% upper bound {percent_text(g['false_alarm_upper95'])})")
     return "\n".join(lines)
 
 
@@ -312,76 +292,3 @@ def figures_records(figures: pd.DataFrame) -> list[dict[str, Any]]:
     """JSON-clean records (NaN -> None) for the store and ``--json``."""
     return json.loads(figures.to_json(orient="records"))
 
-
-ProgressFn = Callable[[str], None]
-
-
-# ---- command line ---------------------------------------------------------------------------
-def _floats(text: str, what: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(p) for p in text.split(",") if p.strip())
-    except ValueError as exc:
-        raise ConfigError(f"{what} must be comma-separated numbers (e.g. 5,10,30), got {text!r}") from exc
-
-
-def add_arguments(subparsers: Any) -> None:
-    """Add ``calibrate`` to the main parser's subparsers; it sets ``func`` (args -> exit code)."""
-    p = subparsers.add_parser(
-        "calibrate", help="measure the gate's A/A false-alarm rate and smallest detectable regression",
-        description="Run the gate repeatedly on an unchanged worker (A/A) and with injected decode slowdowns "
-                    "(A/B), report per gated metric the false-alarm rate and the smallest regression detected "
-                    ">= 95% of the time, and record them so that later verdicts of the gate key carry them. "
-                    "Exit 0 when the figures were measured, 2 when they could not be.")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--profile", help="a shipped profile (see `servegate profiles`); default smoke")
-    src.add_argument("--config", help="a gate config file (.toml, .yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (repeatable), as for `servegate run`")
-    p.add_argument("--aa-runs", type=int, default=CalibrationPlan.aa_runs, help="unchanged-worker runs (default 6)")
-    p.add_argument("--slowdowns", default=",".join(f"{x:g}" for x in CalibrationPlan.slowdowns_pct),
-                   help="injected decode slowdowns in %% (default 5,10,30; '' for A/A only)")
-    p.add_argument("--runs-per-slowdown", type=int, default=CalibrationPlan.runs_per_slowdown,
-                   help="runs per injected slowdown (default 2)")
-    p.add_argument("--bounds", default=",".join(f"{x:g}" for x in CalibrationPlan.bounds),
-                   help="minimum effects to evaluate, as fractions (default 0.02,0.05)")
-    p.add_argument("--baseline-n", type=int, default=None,
-                   help="A runs each comparison pools (default: the config's compare.n)")
-    p.add_argument("--output-dir", help="calibration folder (default <output_dir>/calibration-<gate>-<time>)")
-    p.add_argument("--db", metavar="URL", help="history database to record the calibration in (default $SERVEGATE_DB)")
-    p.add_argument("--no-record", action="store_true", help="print the figures without recording them")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    p.set_defaults(func=cmd_calibrate)
-
-
-def cmd_calibrate(args: Any) -> int:
-    import pandas as pd
-
-    from servegate.config import load_config
-
-    overrides = list(args.overrides)
-    if args.db:
-        overrides.append(f"store.url={args.db}")
-    config = load_config(path=args.config, profile=None if args.config else (args.profile or "smoke"),
-                         overrides=overrides)
-    plan = CalibrationPlan(aa_runs=args.aa_runs, slowdowns_pct=_floats(args.slowdowns, "--slowdowns"),
-                           runs_per_slowdown=args.runs_per_slowdown, bounds=_floats(args.bounds, "--bounds"),
-                           baseline_n=args.baseline_n or config.compare.n)
-    for pct in plan.slowdowns_pct:  # refuse a plan that cannot run before the first run, not after it
-        run_config(config, pct, Path(config.output_dir))
-
-    from servegate.flows.calibrate import calibrate_gate
-
-    try:
-        doc = calibrate_gate(config, plan=plan.as_dict(), output_dir=args.output_dir, record=not args.no_record)
-    except RuntimeError as exc:
-        if "Prefect" not in str(exc):
-            raise
-        raise InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`.") from exc
-    if args.json:
-        print(json.dumps(doc, indent=2, default=str))
-    else:
-        print(f"calibration of {doc['key']}")
-        print(format_calibration(pd.DataFrame(doc["figures"]), doc["summary"]))
-        where = f"recorded as calibration {doc['calibration_id']}" if doc["calibration_id"] else "not recorded"
-        print(f"folder: {doc['calibration_dir']} ({where})")
-    return 0

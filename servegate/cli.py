@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from servegate.errors import ConfigError, InfraError, ServegateError
+from servegate.errors import ConfigError, ServegateError
 
 __all__ = ["main", "build_parser"]
 
@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     from servegate import engine_install
 
     engine_install.add_arguments(sub)  # engine install NAME, engine path NAME
-    from servegate import calibrate
+    from servegate import calibrate_cli
 
-    calibrate.add_arguments(sub)  # calibrate [--profile ...] [--aa-runs N] [--slowdowns 5,10,30]
+    calibrate_cli.add_arguments(sub)  # calibrate [--profile ...] [--aa-runs N] [--slowdowns 5,10,30]
     return parser
 
 
@@ -88,15 +88,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          overrides=overrides)
 
     from servegate.flows.gate import regression_gate
+    from servegate.gate import call_flow
     from servegate.verdict import Verdict, format_verdict_table
 
-    try:
-        result = regression_gate(config)
-    except RuntimeError as exc:
-        if "Prefect" not in str(exc):
-            raise
-        raise InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`, or raise "
-                         f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a loaded machine.") from exc
+    result = call_flow(regression_gate, config)
     verdict = Verdict.model_validate(result["verdict"])
     if args.json:
         print(json.dumps({**result["verdict"], "run_dir": result["run_dir"]}, indent=2))

@@ -541,6 +541,9 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
         if not cur_cases:
             continue
         base_by_run = [extract_samples(metric, tables) for _, tables in baseline_runs]
+        # Tokens of one request are not independent: list-column metrics are resampled by request.
+        cur_requests = extract_requests(metric, current)
+        base_requests = [extract_requests(metric, tables) for _, tables in baseline_runs]
         metric_bound = tail_bound if metric.statistic != "median" else bound
         for c_index, (case, cur) in enumerate(cur_cases.items()):
             groups = [b[case] for b in base_by_run if case in b]
@@ -573,13 +576,12 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
                 else:
                     rows.append(_row(metric, case, decision="insufficient_data", reason=short, **common))
                 continue
+            cur_side: Samples = cur
+            base_sides: Sequence[Samples] = groups
+            if metric.list_column:
+                cur_side = cur_requests.get(case, [cur])
+                base_sides = [b[case] for b in base_requests if case in b]
             if metric.statistic == "median":
-                cur_side: Samples = cur
-                base_sides: Sequence[Samples] = groups
-                if metric.list_column:  # tokens of one request are not independent: resample requests
-                    cur_side = extract_requests(metric, current).get(case, [cur])
-                    base_sides = [c for c in (extract_requests(metric, t).get(case) for _, t in baseline_runs)
-                                  if c]
                 rng = np.random.default_rng(seed + 7919 * m_index + c_index)
                 run_sd = max(_run_sd(base_sides, rng), float(run_noise.get(metric.metric, 0.0)))
                 ratio, low, high = ratio_ci_median(cur_side, base_sides, confidence=confidence, n_boot=n_boot,
@@ -595,10 +597,8 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
                 if gated and metric.list_column:
                     # The order-statistic interval assumes independent samples; a request's tokens are
                     # not, so a tail of tokens is bounded by resampling requests instead.
-                    low, high = ratio_ci_quantile_clustered(
-                        extract_requests(metric, current).get(case, [cur]),
-                        [c for c in (extract_requests(metric, t).get(case) for _, t in baseline_runs) if c],
-                        metric.quantile, confidence=confidence, n_boot=n_boot, seed=seed + 1009 * m_index + c_index)
+                    low, high = ratio_ci_quantile_clustered(cur_side, base_sides, metric.quantile, confidence=confidence,
+                                                            n_boot=n_boot, seed=seed + 1009 * m_index + c_index)
             if not math.isfinite(ratio):
                 rows.append(_row(metric, case, decision="insufficient_data", ratio=ratio, ci_low=low, ci_high=high,
                                  reason="baseline statistic is 0: a ratio is undefined", **common))

@@ -16,10 +16,10 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 
@@ -28,7 +28,7 @@ from servegate.engines import get_engine
 from servegate.engines.base import Engine
 from servegate.errors import ConfigError, InfraError, ServegateError, WorkerDiedError
 
-__all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "StageOutcome", "device_slot_limit",
+__all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "StageOutcome", "call_flow", "device_slot_limit",
            "hold_device_slot", "resolve_config"]
 
 logger = logging.getLogger("servegate.gate")
@@ -40,6 +40,21 @@ DEVICE_SLOT_ENV = "SERVEGATE_DEVICE_SLOT"
 """Names the device this gate's worker runs on (e.g. ``gpu-box-3-gpu0``). When set, a gate holds
 the Prefect global concurrency limit ``device-<slot>`` from before its run folder is created
 until its worker is stopped, so two gates never share a device. Unset: no limit (local runs)."""
+
+
+_T = TypeVar("_T")
+
+
+def call_flow(flow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """Run a Prefect flow for a CLI command; Prefect failing to start its API server becomes an
+    ``InfraError`` that says what to do (the flow's own failures are recorded in its result)."""
+    try:
+        return flow(*args, **kwargs)
+    except RuntimeError as exc:
+        if "Prefect" not in str(exc):
+            raise
+        raise InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`, or raise "
+                         f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a loaded machine.") from exc
 
 
 def device_slot_limit() -> str | None:

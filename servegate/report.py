@@ -31,7 +31,7 @@ from servegate.baseline import BaselinePolicy
 from servegate.compare import GATED_METRICS, GatedMetric, compare_run, extract_samples
 from servegate.errors import ConfigError
 from servegate.store import RunRecord, Store
-from servegate.verdict import calibration_text
+from servegate.verdict import calibration_text, percent_text
 
 __all__ = [
     "PLOT_NAMES",
@@ -215,9 +215,6 @@ def failing_rows(comparison: pd.DataFrame | None) -> pd.DataFrame:
     return comparison[comparison["decision"] == "regression"]
 
 
-def _pct(value: Any) -> str:
-    return f"{100 * float(value):.1f}%" if value is not None and math.isfinite(float(value)) else "-"
-
 
 def _comparison_table(comparison: pd.DataFrame | None) -> str:
     if comparison is None or comparison.empty:
@@ -228,7 +225,7 @@ def _comparison_table(comparison: pd.DataFrame | None) -> str:
         row = [r.metric, r.case, r.unit, r.baseline_value, r.current_value, r.ratio,
                f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]", r.n_baseline, r.n_current, f"{r.bound:.0%}"]
         if calibrated:
-            row += [_pct(getattr(r, "min_detectable", math.nan)), _pct(getattr(r, "false_alarm_upper95", math.nan))]
+            row += [percent_text(getattr(r, "min_detectable", math.nan)), percent_text(getattr(r, "false_alarm_upper95", math.nan))]
         rows.append(row + [r.decision, r.reason if isinstance(r.reason, str) else ""])  # NaN from the store
     headers = ["metric", "case", "unit", "baseline", "current", "ratio", "CI", "n base", "n cur", "bound"]
     if calibrated:

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from servegate.config import GateConfig, apply_overrides
 from servegate.errors import ConfigError
-from servegate.gate import GateRun, StageOutcome, hold_device_slot
+from servegate.gate import GateRun, StageOutcome, call_flow, hold_device_slot
 from servegate.results import REDACTED, RunFolder
 
 __all__ = ["RERUN_FILE", "ATTEMPTS_DIR", "RerunPlan", "resolve_run_dir", "plan_rerun", "open_attempt",
@@ -240,7 +240,6 @@ def add_arguments(subparsers: Any) -> None:
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
-    from servegate.errors import InfraError
     from servegate.flows.rerun import rerun_stages
     from servegate.verdict import Verdict, format_verdict_table
 
@@ -248,13 +247,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.db:
         overrides.append(f"store.url={args.db}")
-    try:
-        result = rerun_stages(str(run_dir), list(args.stages), overrides)
-    except RuntimeError as exc:
-        if "Prefect" not in str(exc):
-            raise
-        raise InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`, or raise "
-                         f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a loaded machine.") from exc
+    result = call_flow(rerun_stages, str(run_dir), list(args.stages), overrides)
     verdict = Verdict.model_validate(result["verdict"])
     if args.json:
         print(json.dumps({**result["verdict"], **{k: v for k, v in result.items() if k != "verdict"}}, indent=2))

@@ -20,6 +20,7 @@ Exit codes: pass 0, fail 1, inconclusive 2.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from servegate.validate import ExpectationOutcome
 __all__ = [
     "VERDICT_SCHEMA_VERSION",
     "calibration_text",
+    "percent_text",
     "TABLE_STAGE",
     "Breach",
     "VerdictSummary",
@@ -208,6 +210,11 @@ def _grid(headers: list[str], rows: list[list[str]]) -> str:
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(x.rstrip() for x in [line, sep, *body])
+
+
+def percent_text(value: Any) -> str:
+    """A fraction as ``12.3%``; ``-`` for a missing or non-finite value."""
+    return f"{100 * float(value):.1f}%" if value is not None and math.isfinite(float(value)) else "-"
 
 
 def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
