@@ -81,7 +81,7 @@ def run_gate(profile: str, overrides: list[str], output_dir: Path, timeout_s: fl
 
 
 def _end_tree(pid: int) -> None:
-    from servegate.launch import terminate_tree
+    from servegate.proctree import terminate_tree
 
     terminate_tree(pid, timeout_s=15)
 

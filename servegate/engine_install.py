@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from servegate.errors import ConfigError, InfraError
+from servegate.proctree import end_session, guard_process_tree, watch_group
 from servegate.worker.model import cache_dir
 
 __all__ = [
@@ -163,25 +163,6 @@ def _log_tail(log_path: Path) -> str:
     return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
-def _end_group(proc: subprocess.Popen[bytes]) -> None:
-    """End a step's whole process group (it leads its own session): SIGTERM, wait, SIGKILL the rest."""
-    # Not servegate.launch.terminate_tree: launch imports the engines, which import this module.
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=STEP_TERM_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        # The group outlives its leader while children remain (pip's build backends).
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def _run_step(what: str, cmd: list[str], log_path: Path, timeout_s: float) -> None:
     """Run one install step, output appended to ``log_path``; InfraError with the log tail on failure.
 
@@ -191,21 +172,23 @@ def _run_step(what: str, cmd: list[str], log_path: Path, timeout_s: float) -> No
     with open(log_path, "ab") as log:
         log.write(f"\n# servegate engine install: {what}: {' '.join(cmd)}\n".encode())
         log.flush()
+        guard_process_tree()  # a kill -9 of servegate must not leave pip running either
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            watch_group(proc.pid)
         except OSError as exc:
             raise InfraError(f"{what} could not start ({cmd[0]}): {exc}; check that the interpreter exists "
                              f"or pass --force to rebuild the venv") from exc
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
-            _end_group(proc)
+            end_session(proc, STEP_TERM_WAIT_S)
             raise InfraError(f"{what} did not finish in {timeout_s:g} s; check network access to the package "
                              f"index and run the install again (it resumes); log {log_path}:\n"
                              f"{_log_tail(log_path)}") from exc
         except BaseException:
-            _end_group(proc)  # Ctrl-C / SIGTERM: leave no pip behind
+            end_session(proc, STEP_TERM_WAIT_S)  # Ctrl-C / SIGTERM: leave no pip behind
             raise
     if returncode != 0:
         raise InfraError(f"{what} failed with exit code {returncode}; read the log {log_path} (tail below), "

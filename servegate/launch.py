@@ -17,7 +17,9 @@ every live handle is also stopped
   Prefect's flow engine installs one that raises ``TerminationSignal`` during a flow run — is
   left alone: it also unwinds the stack, which stops the handles.
 
-A SIGKILL of the gate itself cannot be caught; the worker then outlives it.
+A SIGKILL of the gate itself (or of its process group) cannot be caught: for that, every
+launch starts the process's guardian (``servegate.proctree.guard_process_tree``) and registers
+the worker's group with it; the guardian ends the worker's tree when the gate is gone.
 """
 
 from __future__ import annotations
@@ -35,15 +37,15 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-import psutil
 import requests
 
 from servegate.config import WorkerSpec
 from servegate.engines import Engine, get_engine
 from servegate.errors import ConfigError, WorkerDiedError, WorkerLaunchError, WorkerOOMError
 from servegate.http import make_session
+from servegate.proctree import end_session, guard_process_tree, watch_group
 
-__all__ = ["WorkerHandle", "launch_worker", "terminate_tree", "free_port"]
+__all__ = ["WorkerHandle", "launch_worker", "free_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,6 @@ PROBE_TIMEOUT_S = 30.0
 """Longest single readiness probe (SGLang's /health_generate runs a 1-token generate)."""
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
-KILL_WAIT_S = 5.0
-"""How long to wait for SIGKILLed processes to disappear."""
 
 # Which budget fields to lower when a worker is OOM-killed, per engine.
 _OOM_KNOBS = {
@@ -84,98 +84,6 @@ def _redacted(cmd: list[str]) -> str:
         if arg == "--api-key":
             shown[i + 1] = "***"
     return shlex.join(shown)
-
-
-def _is_gone(proc: psutil.Process) -> bool:
-    # A zombie has exited; it only waits for its (possibly new) parent to reap it.
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
-    """Wait until every process has exited; the ones still running after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    alive = [p for p in procs if not _is_gone(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if not _is_gone(p)]
-    return alive
-
-
-def _send(procs: list[psutil.Process], sig: int) -> None:
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass  # already gone, or not ours to signal
-
-
-def _group_members(pgid: int) -> list[psutil.Process]:
-    """Processes still in process group ``pgid`` (orphans reparented away from the tree)."""
-    members = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and os.getpgid(proc.pid) == pgid:
-                members.append(proc)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return members
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def terminate_tree(pid: int, timeout_s: float = 10.0) -> None:
-    """End ``pid`` and all its descendants: SIGTERM, wait up to ``timeout_s``, SIGKILL survivors.
-
-    For a worker started by ``launch_worker`` use ``WorkerHandle.stop()``, which also reaps the
-    process and records its exit code.
-    """
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = [root, *_descendants(pid)]
-    _send(procs, signal.SIGTERM)
-    alive = _wait_gone(procs, timeout_s)
-    _send(alive, signal.SIGKILL)
-    _wait_gone(alive, KILL_WAIT_S)
-
-
-def _end_worker_tree(process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    # Collect the tree before any signal: once a parent dies its children are reparented
-    # and no longer show up as its descendants.
-    pgid = process.pid  # start_new_session=True: the worker leads its own group
-    others = {p.pid: p for p in _descendants(process.pid)}
-    others.update({p.pid: p for p in _group_members(pgid) if p.pid != process.pid})
-    procs = list(others.values())
-
-    deadline = time.monotonic() + timeout_s
-    _send(procs, signal.SIGTERM)
-    if process.poll() is None:
-        process.terminate()
-    try:
-        process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        process.kill()
-        try:
-            process.wait(timeout=KILL_WAIT_S)
-        except subprocess.TimeoutExpired:
-            # Unkillable for now (e.g. stuck in the kernel on a GPU driver call); nothing more to do.
-            logger.warning("worker pid %d did not exit %.0f s after SIGKILL", process.pid, KILL_WAIT_S)
-    alive = _wait_gone(procs, max(0.0, deadline - time.monotonic()))
-    _send(alive, signal.SIGKILL)
-    _wait_gone(alive, KILL_WAIT_S)
-    # Anything still in the group (e.g. forked during teardown) gets SIGKILL too.
-    stragglers = [p for p in _group_members(pgid) if not _is_gone(p)]
-    _send(stragglers, signal.SIGKILL)
-    _wait_gone(stragglers, KILL_WAIT_S)
 
 
 def _read_tail(path: Path, n_lines: int, max_bytes: int = 64 * 1024) -> str:
@@ -258,7 +166,7 @@ class WorkerHandle:
             self._stopped = True
         _LIVE_HANDLES.discard(self)
         if self._process is not None:
-            _end_worker_tree(self._process, timeout_s)
+            end_session(self._process, timeout_s)
 
     def __enter__(self) -> "WorkerHandle":
         return self
@@ -384,12 +292,14 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _install_exit_hooks()
+    guard_process_tree()
     with open(log_path, "ab") as log:
         log.write(f"# servegate: launching {engine.name}: {_redacted(cmd)}\n".encode())
         log.flush()
         try:
             process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                        env=env, start_new_session=True, close_fds=True)
+            watch_group(process.pid)
         except OSError as exc:
             raise WorkerLaunchError(
                 f"could not start the {engine.name} worker ({_redacted(cmd)}): {exc}; check that the engine is "

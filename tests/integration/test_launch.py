@@ -17,7 +17,8 @@ import requests
 from servegate.config import WorkerSpec
 from servegate.engines import EmbeddedEngine
 from servegate.errors import ConfigError, WorkerDiedError, WorkerLaunchError, WorkerOOMError
-from servegate.launch import launch_worker, terminate_tree
+from servegate.launch import launch_worker
+from servegate.proctree import terminate_tree
 
 from fake_servers import FakeServer
 
@@ -187,6 +188,54 @@ def test_sigterm_to_the_gate_ends_the_worker_tree(tmp_path: Path) -> None:
         if gate.poll() is None:
             terminate_tree(gate.pid, timeout_s=5)
             gate.wait(timeout=5)
+        if gate.stdout:
+            gate.stdout.close()
+
+
+def _start_gate(tmp_path: Path, **popen: object) -> tuple[subprocess.Popen, list[int]]:
+    """The gate script with its worker up: the gate process and the worker tree's pids."""
+    script = GATE_SCRIPT.format(tests_dir=str(Path(__file__).parent), out=str(tmp_path))
+    gate = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            **popen)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "worker_pid").exists():
+        assert gate.poll() is None, gate.stdout.read().decode() if gate.stdout else ""
+        assert time.monotonic() < deadline, "gate did not launch its worker"
+        time.sleep(0.05)
+    worker = int((tmp_path / "worker_pid").read_text())
+    return gate, [worker, *(int(x) for x in (tmp_path / "pids").read_text().split())]
+
+
+def _all_gone_within(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if not _gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if not _gone(p)]
+    return alive
+
+
+@pytest.mark.parametrize("kill_group", [False, True], ids=["kill-9-gate", "kill-9-gate-group"])
+def test_sigkill_of_the_gate_leaves_no_worker(tmp_path: Path, kill_group: bool) -> None:
+    # Nothing in the gate runs after SIGKILL; its guardian (own session, so a group kill as a CI
+    # runner's timeout sends misses it) ends the worker's tree once the gate is gone.
+    gate, pids = _start_gate(tmp_path, start_new_session=True)
+    try:
+        guardians = [p for p in psutil.Process(gate.pid).children()
+                     if "servegate.proctree" in " ".join(p.cmdline())]
+        assert len(guardians) == 1, [p.cmdline() for p in psutil.Process(gate.pid).children()]
+        if kill_group:
+            os.killpg(gate.pid, signal.SIGKILL)
+        else:
+            gate.kill()
+        assert gate.wait(timeout=10) == -signal.SIGKILL
+        survivors = _all_gone_within(pids, 30)
+        assert not survivors, f"pids {survivors} outlived the gate's SIGKILL"
+        assert not _all_gone_within([guardians[0].pid], 10), "the guardian did not exit after its work"
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                terminate_tree(pid, timeout_s=5)
         if gate.stdout:
             gate.stdout.close()
 

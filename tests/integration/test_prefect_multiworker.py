@@ -31,7 +31,8 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.states import Cancelled, Completed, Crashed, Failed, Running
 
 from servegate.flows.nightly import aggregate, gate_outcome
-from servegate.launch import free_port, terminate_tree
+from servegate.launch import free_port
+from servegate.proctree import terminate_tree
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from servegate.launch import terminate_tree
+from servegate.proctree import terminate_tree
 
 READY_TIMEOUT_S = 120.0
 
