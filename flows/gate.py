@@ -47,6 +47,5 @@ def regression_gate(config: GateConfig | None = None, profile: str | None = None
         run.close()
     compare(run, return_state=True)
     validate(run, return_state=True)
-    result = verdict(run)
-    record(run, result, return_state=True)
-    return {"verdict": result.model_dump(mode="json"), "run_dir": str(run.path)}
+    recorded = record(run, verdict(run))
+    return {"verdict": recorded.verdict.model_dump(mode="json"), "run_dir": str(run.path)}

@@ -54,8 +54,7 @@ def rerun_stages(run_dir: str, stages: list[str], overrides: list[str] | None = 
         run.close()
     compare(run, return_state=True)
     validate(run, return_state=True)
-    result = verdict(run)
-    run_id = record(run, result, return_state=True)
-    return {"verdict": result.model_dump(mode="json"), "run_dir": str(run.path), "attempt_of": plan.attempt_of,
-            "run_id": run_id.result(raise_on_failure=False) if run_id.is_completed() else None,
-            "stages": plan.stages, "carried": sorted(plan.carried)}
+    recorded = record(run, verdict(run))
+    return {"verdict": recorded.verdict.model_dump(mode="json"), "run_dir": str(run.path),
+            "attempt_of": plan.attempt_of, "run_id": recorded.run_id, "stages": plan.stages,
+            "carried": sorted(plan.carried)}

@@ -80,3 +80,22 @@ def test_flow_with_unreachable_flush_is_inconclusive_and_keeps_tables(prefect_ha
     stages = json.loads((Path(result["run_dir"]) / "stages.json").read_text())
     assert stages["flush:one_batch"]["status"] == "failed"
     assert stages["one_batch"]["status"] == "skipped" and "flush" in stages["one_batch"]["error"]
+
+
+def test_flow_whose_history_write_fails_is_inconclusive_and_keeps_its_files(prefect_harness, tmp_path: Path):
+    """A run the history database could not take is not a pass: tomorrow's baseline and `status` miss it."""
+    unwritable = tmp_path / "a-folder-not-a-database"
+    unwritable.mkdir()
+    result = regression_gate(profile="smoke", overrides=[
+        *TINY, f"output_dir={tmp_path}", f"store.url={unwritable}", "serving.num_prompts=3",
+        "occupancy.enabled=false", "one_batch.batch_sizes=[1]"])
+    verdict = result["verdict"]
+    assert verdict["status"] == "inconclusive", json.dumps(verdict, indent=1)
+    assert verdict["baseline_eligible"] is False
+    assert any(e.startswith("record: writing the history database failed") for e in verdict["infra_errors"]), \
+        verdict["infra_errors"]
+    run_dir = Path(result["run_dir"])
+    assert json.loads((run_dir / "verdict.json").read_text())["status"] == "inconclusive"
+    summary = (run_dir / "summary.md").read_text()
+    assert "inconclusive" in summary and "record" in summary, summary
+    assert (run_dir / "junit.xml").is_file() and (run_dir / "serving_requests.csv").is_file()
