@@ -6,7 +6,7 @@ share one history database, as three nights of one gate key would:
 1. empty history: the relative checks cannot decide -> inconclusive (exit 2), yet the run is
    baseline-eligible so the key can build its history;
 2. the same worker again: compared with night 1 -> pass (exit 0);
-3. the worker with every forward pass made 50 % slower (``--fault-decode-slowdown-pct``):
+3. the worker with every forward pass made 5x slower (``--fault-decode-slowdown-pct 400``):
    the decode metrics regress -> fail (exit 1), with ratio and CI in the HTML report and in
    ``servegate status``.
 """
@@ -27,24 +27,29 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 
 # The smoke gate with fewer requests and no quality stage (it has no relative check), plus the
-# baseline comparison a nightly profile turns on.
+# baseline comparison a nightly profile turns on, with bounds wide enough for this machine's
+# run-to-run noise: identical smoke runs here differ by up to ~27 % in median ITL (a cold first
+# night was 81 vs 61 ms, 2 of 2 fresh CI machines), so a 5 % bound made night 2 a coin toss and
+# inflated night 3's between-run term until its interval reached 0.9. This test checks how the
+# history is built and used; how small a change the gate can see is measured by
+# `servegate calibrate` and the paired mode, not asserted here.
+BOUND, TAIL_BOUND = 0.30, 0.50
 FAST = [
     "--set", "serving.num_prompts=12",
     "--set", "occupancy.max_new_tokens=96",
     "--set", "quality.enabled=false",
     "--set", "compare.enabled=true",
+    "--set", f"compare.bound={BOUND}",
+    "--set", f"compare.tail_bound={TAIL_BOUND}",
 ]
-# 50 % on every forward pass. 30 % was detected in 5 of 5 tries on the 2-core dev machine, but with
-# 12 requests (ITL bootstrapped per request, plus the between-run noise of nights 1 and 2) its ITL
-# CI lower end sat at 1.08-1.10, a hair above the 5 % bound, with ratios as low as 1.15 when the
-# machine was busy; 50 % gave ITL x1.54-1.70 with CI lower ends >= 1.27 (TPOT and e2e regress too).
-SLOWDOWN_PCT = 50
+# +400 % on every forward pass (a sleep, so a busy machine does not shrink it): ITL x3.4-5.4 given
+# that the fault moves ITL by 0.6-1.1x its percentage. Even with a between-run sd of 0.3 in log
+# (more than the worst cold-start pair seen) the interval's low end stays near 1.6, far beyond 1.3.
+SLOWDOWN_PCT = 400
 SLOWDOWN = ["--set", f'worker.extra_args=["--fault-decode-slowdown-pct","{SLOWDOWN_PCT}"]']
 DECODE_METRICS = ("serving.itl_ms.median", "serving.tpot_ms.median")
 SHOWN = ["metric", "case", "ratio", "ci_low", "ci_high", "n_baseline", "n_current", "n_baseline_runs", "gated",
          "decision", "reason"]
-
-
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -114,7 +119,7 @@ def test_nightly_runs_build_history_pass_unchanged_and_fail_a_decode_slowdown(tm
     assert not gated2["decision"].isin(["regression", "insufficient_data"]).any(), _shown(cmp2)
     assert "fault injection active" not in (dir2 / "worker.log").read_text()
 
-    # Night 3, every forward pass 50 % slower: the decode metrics regress against nights 1 and 2.
+    # Night 3, every forward pass 5x slower: the decode metrics regress against nights 1 and 2.
     verdict3, dir3, cmp3 = _night(tmp_path, *SLOWDOWN, expect_exit=1)
     run3 = dir3.name
     assert "fault injection active" in (dir3 / "worker.log").read_text()
@@ -126,7 +131,7 @@ def test_nightly_runs_build_history_pass_unchanged_and_fail_a_decode_slowdown(tm
     decode = cmp3[cmp3["metric"].isin(DECODE_METRICS) & (cmp3["decision"] == "regression")]
     assert not decode.empty, _shown(cmp3)
     for row in decode.itertuples(index=False):
-        assert row.ratio > 1.1 and row.ci_low > 1.05 and row.ci_low <= row.ratio <= row.ci_high, _shown(cmp3)
+        assert row.ratio > 2 and row.ci_low > 1 + BOUND and row.ci_low <= row.ratio <= row.ci_high, _shown(cmp3)
 
     # The HTML report names each regressing decode metric with its ratio and CI.
     out = tmp_path / "night3.html"
