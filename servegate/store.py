@@ -18,9 +18,16 @@ Schema (SQLAlchemy Core, portable across SQLite and PostgreSQL)::
 Raw per-request rows (``serving_requests`` with its ``itls_ms`` lists, ``occupancy_samples``)
 are kept row by row, so every statistic can be recomputed later.
 
-**Writes are transactional.** :meth:`Store.record_run` writes a run, its tables, its
-expectation outcomes in one transaction: a run is either fully recorded or absent; a killed
-writer leaves the database valid (SQLite rolls the hot journal back on the next open).
+**Writes are transactional and one at a time.** :meth:`Store.record_run` writes a run, its
+tables, its expectation outcomes in one transaction: a run is either fully recorded or absent; a
+killed writer leaves the database valid (SQLite rolls the hot journal back on the next open).
+Every write transaction takes the store's write lock before it reads anything (SQLite
+``BEGIN IMMEDIATE``, waiting up to a 30 s busy timeout; PostgreSQL ``pg_advisory_xact_lock``), so
+gates recording at once cannot both take the same attempt number or both create the schema.
+Readers do not take it. SQLite keeps its default rollback journal, not WAL: switching a file to
+WAL fails at once (no busy wait) while another connection writes, writes to the file (a reader
+would turn a user's empty file into a database), and needs shared memory that network file
+systems lack; writers are serialised by ``BEGIN IMMEDIATE`` either way.
 
 **A re-run adds an attempt, never overwrites.** ``record_run(..., attempt_of=RUN)`` records
 a new row whose ``attempt_of`` is the original (root) run and whose ``attempt`` is the next
@@ -28,10 +35,26 @@ number; the original measurements stay. A run group's *effective* record is its 
 
 **Migrations are versioned** with a small ordered list (:data:`MIGRATIONS`) and a
 ``schema_migrations`` table rather than Alembic: the schema is a handful of tables, it must
-upgrade itself on open in any process (CLI, Prefect worker, test), and an Alembic script
+upgrade itself on first use in any process (CLI, Prefect worker, test), and an Alembic script
 folder would have to be shipped and located as package data. Add a migration by appending
-``(version, description, function(connection))``; each runs in its own transaction and is
-recorded. A database written by a newer servegate (higher version) is refused, not guessed at.
+``(version, description, function(connection))``; the pending ones run in one transaction under
+the write lock, re-checked once the lock is held (another process may have applied them while
+this one waited), and are recorded. A database written by a newer servegate (higher version) is
+refused, not guessed at.
+
+**Opening.** ``Store(url)`` only connects on first use; then the schema is checked once:
+
+- a SQLite path that does not exist yet starts a new history: the file is built complete in a
+  scratch file beside it and hard-linked into place, so no one ever sees a servegate file
+  without its schema;
+- an existing database with the schema is upgraded if it is older;
+- an existing SQLite file without it is refused for reading (an empty file: "not a servegate
+  history database ... check --db"), so a wrong ``--db`` never reads as "no gate runs"; the
+  gate's own records (:meth:`Store.record_run`, :meth:`Store.record_calibration`) may start a
+  history in an empty file, never in a SQLite file holding another application's tables;
+- a server database (PostgreSQL) without the schema is a new history: any use creates it there
+  (the team named that database for servegate; it may share it with other tables);
+- a file that is not SQLite at all is refused as such, not as a locking problem.
 """
 
 from __future__ import annotations
@@ -39,7 +62,9 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -68,6 +93,11 @@ __all__ = [
 BASELINE_ACTIONS = ("pin", "unpin", "distribution_change")
 
 _SQLITE_BUSY_TIMEOUT_S = 30.0
+# The execution option that makes a transaction take the write lock first (see Store._locked).
+_WRITE_LOCK = "servegate_write_lock"
+# PostgreSQL advisory lock id of the store's write lock ("servegat" as a 64-bit integer). One lock
+# for the whole store: a gate run writes once, so writers queue only for the seconds a record takes.
+_PG_WRITE_LOCK_KEY = int.from_bytes(b"servegat", "big")
 
 
 # ---- identity -----------------------------------------------------------------------------
@@ -346,6 +376,46 @@ def default_url() -> str:
     return f"sqlite:///{folder / 'history.db'}"
 
 
+def _create_engine(url: str, **kwargs: Any) -> Engine:
+    engine = sa.create_engine(url, **kwargs)
+    if engine.dialect.name == "sqlite":
+        sa.event.listen(engine, "connect", _sqlite_on_connect)
+        sa.event.listen(engine, "begin", _sqlite_on_begin)
+    return engine
+
+
+def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    # Python's sqlite3 opens a transaction only before an INSERT/UPDATE/DELETE, never before a SELECT
+    # or CREATE: a read-then-write (the schema version, the next attempt number) would not be one
+    # transaction, and its CREATE TABLEs would commit one by one. SQLAlchemy's documented recipe:
+    # turn the driver's own BEGIN off and emit BEGIN in the "begin" event (_sqlite_on_begin).
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    # IMMEDIATE takes the write lock at BEGIN (waiting up to the busy timeout for another writer);
+    # a plain BEGIN would take it at the first write, after the transaction's reads.
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE_LOCK) else "BEGIN")
+
+
+def _apply_migrations(conn: Connection, migrations: Sequence[tuple[int, str, Callable[[Connection], None]]]) -> None:
+    schema_migrations.create(conn, checkfirst=True)
+    for version, description, upgrade in migrations:
+        upgrade(conn)
+        conn.execute(sa.insert(schema_migrations).values(version=version, description=description,
+                                                         applied_at=_naive_utc(None)))
+
+
+def _applied_versions(conn: Connection) -> set[int] | None:
+    """The migrations applied to the database; None when it has no servegate schema at all."""
+    if not sa.inspect(conn).has_table(schema_migrations.name):
+        return None
+    return set(conn.execute(sa.select(schema_migrations.c.version)).scalars())
+
+
 def _normalise_url(url: str) -> str:
     if "://" in url:
         return url
@@ -363,30 +433,31 @@ def _branch_of(manifest: Mapping[str, Any], config: Mapping[str, Any]) -> str | 
 
 # ---- the store ----------------------------------------------------------------------------
 class Store:
-    """Gate history in a SQL database. Opening a store creates or upgrades its schema."""
+    """Gate history in a SQL database. Its schema is checked on first use: created, upgraded, or
+    refused with the reason (see the module docstring, "Opening")."""
 
     def __init__(self, url: str | None = None, *, echo: bool = False) -> None:
         self._url = _normalise_url(url or default_url())
+        self._sqlite_file: Path | None = None  # a history kept in a SQLite file (not :memory:, not a server)
+        self._schema_ready = False
         kwargs: dict[str, Any] = {"echo": echo, "json_serializer": _dumps, "json_deserializer": orjson.loads,
                                   "future": True}
         if self._url.startswith("sqlite"):
             database = sa.engine.make_url(self._url).database
             if database and database != ":memory:":
+                self._sqlite_file = Path(database)
                 try:
-                    Path(database).parent.mkdir(parents=True, exist_ok=True)
+                    self._sqlite_file.parent.mkdir(parents=True, exist_ok=True)
                 except OSError as exc:
                     raise ConfigError(f"cannot create the folder of history database {database}: {exc}; "
                                       f"set SERVEGATE_DB to a writable path or SQLAlchemy URL") from exc
             kwargs["connect_args"] = {"timeout": _SQLITE_BUSY_TIMEOUT_S}
         try:
-            self._engine = sa.create_engine(self._url, **kwargs)
+            self._engine = _create_engine(self._url, **kwargs)
         except (ArgumentError, ImportError) as exc:
             raise ConfigError(f"cannot open history database {self._url!r}: {exc}; give a SQLAlchemy URL such as "
                               f"sqlite:////path/history.db or postgresql+psycopg://user@host/db (driver installed)") \
                 from exc
-        if self._url.startswith("sqlite"):
-            sa.event.listen(self._engine, "connect", _sqlite_on_connect)
-        self._migrate()
 
     # ---- plumbing -------------------------------------------------------------------------
     @property
@@ -411,35 +482,124 @@ class Store:
         return f"Store({self._url!r})"
 
     def _db_error(self, exc: SQLAlchemyError, doing: str) -> InfraError:
+        code = getattr(getattr(exc, "orig", None), "sqlite_errorname", "")
+        if code.startswith("SQLITE_BUSY"):
+            hint = (f"another process held its write lock for over {_SQLITE_BUSY_TIMEOUT_S:g} s (a gate recording, "
+                    f"an open sqlite3 shell?); let it finish, then retry")
+        elif code in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+            hint = ("the file is not a SQLite database, or a damaged one: check that --db / SERVEGATE_DB names the "
+                    "history file; if it does, restore it from a backup, or move it aside to start a new history")
+        else:
+            hint = "check that the database is reachable and writable, then retry"
         return InfraError(f"history database {self._url} failed while {doing}: {exc.__class__.__name__}: "
-                          f"{str(exc).splitlines()[0]}; check that the database is reachable and not locked "
-                          f"by another writer, then retry")
+                          f"{str(exc).splitlines()[0]}; {hint}")
 
-    def _migrate(self) -> None:
+    @contextmanager
+    def _reading(self, doing: str) -> Iterator[Connection]:
+        """A connection to read the history (one snapshot), its failures mapped to InfraError."""
+        self._prepare(create=False)
         try:
-            with self._engine.begin() as conn:
-                schema_migrations.create(conn, checkfirst=True)
             with self._engine.connect() as conn:
-                applied = {row.version for row in conn.execute(sa.select(schema_migrations.c.version))}
+                yield conn
         except SQLAlchemyError as exc:
-            raise self._db_error(exc, "reading its schema version") from exc
+            raise self._db_error(exc, doing) from exc
+
+    @contextmanager
+    def _writing(self, doing: str, *, create: bool = False) -> Iterator[Connection]:
+        """A transaction holding the write lock (see :meth:`_locked`); ``create``: the write may start a
+        history in an empty database (the gate's own records), else it needs one that exists."""
+        self._prepare(create=create)
+        try:
+            with self._locked() as conn:
+                yield conn
+        except SQLAlchemyError as exc:
+            raise self._db_error(exc, doing) from exc
+
+    @contextmanager
+    def _locked(self) -> Iterator[Connection]:
+        """A transaction that holds the store-wide write lock from its first statement, so what it reads
+        before writing (the schema version, whether a run exists, the next attempt number) is still
+        true when it commits. SQLite: ``BEGIN IMMEDIATE`` (waits up to the busy timeout for another
+        writer); PostgreSQL: a transaction-level advisory lock. Readers are not blocked by it."""
+        with self._engine.connect().execution_options(**{_WRITE_LOCK: True}) as conn, conn.begin():
+            if conn.dialect.name == "postgresql":
+                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_PG_WRITE_LOCK_KEY)))
+            yield conn
+
+    # ---- schema ---------------------------------------------------------------------------
+    def _prepare(self, *, create: bool) -> None:
+        """Before this store's first use, make sure the database holds the current schema."""
+        if self._schema_ready:
+            return
+        doing = "creating it"
+        try:
+            if self._sqlite_file is not None and not self._sqlite_file.exists() and not self._start_sqlite_file():
+                create = True  # no hard links here: this process starts the new file in place, under the lock
+            doing = "reading its schema version"
+            with self._engine.connect() as conn:
+                applied = _applied_versions(conn)
+            if applied is None or self._pending(applied):
+                doing = "creating or upgrading its schema"
+                with self._locked() as conn:
+                    # Again, now that the lock is held: another process may have created or upgraded
+                    # the schema while this one waited for it.
+                    applied = _applied_versions(conn)
+                    if applied is None:
+                        self._check_can_start_history(conn, create=create)
+                    pending = self._pending(applied or set())
+                    doing = "applying schema migrations " + ", ".join(f"{v} ({d})" for v, d, _ in pending)
+                    _apply_migrations(conn, pending)
+        except SQLAlchemyError as exc:
+            raise self._db_error(exc, doing) from exc
+        self._schema_ready = True
+
+    def _pending(self, applied: set[int]) -> list[tuple[int, str, Callable[[Connection], None]]]:
+        """The migrations still to apply; a database written by a newer servegate is refused."""
         newest = max(applied, default=0)
         if newest > SCHEMA_VERSION:
-            raise ConfigError(f"history database {self._url} has schema version {newest}, newer than this servegate "
-                              f"understands ({SCHEMA_VERSION}); upgrade servegate to read it")
-        for version, description, upgrade in MIGRATIONS:
-            if version in applied:
-                continue
-            try:
-                with self._engine.begin() as conn:
-                    upgrade(conn)
-                    conn.execute(sa.insert(schema_migrations).values(
-                        version=version, description=description, applied_at=_naive_utc(None)))
-            except SQLAlchemyError as exc:
-                raise self._db_error(exc, f"applying schema migration {version} ({description})") from exc
+            raise InfraError(f"history database {self._url} has schema version {newest}, newer than this servegate "
+                             f"understands ({SCHEMA_VERSION}); upgrade servegate to read it")
+        return [m for m in MIGRATIONS if m[0] not in applied]
+
+    def _start_sqlite_file(self) -> bool:
+        """Start a new history at a SQLite path that does not exist yet: build it, schema and all, in
+        a scratch file beside it, then hard-link it into place. The link fails when the path exists
+        by then (another process won: its file is used), so no process ever sees a servegate file
+        without its schema, and a file without one is never a history being made but a wrong
+        ``--db``. False when the file system has no hard links: the caller makes the file in place."""
+        assert self._sqlite_file is not None
+        scratch = self._sqlite_file.with_name(f".{self._sqlite_file.name}.{uuid.uuid4().hex}.new")
+        engine = _create_engine(f"sqlite:///{scratch}", future=True)
+        try:
+            with engine.begin() as conn:
+                _apply_migrations(conn, MIGRATIONS)
+            os.link(scratch, self._sqlite_file)
+        except FileExistsError:
+            pass  # another process started the history first: this one uses it
+        except OSError:
+            return False  # no hard links on this file system (FAT, some network mounts)
+        finally:
+            engine.dispose()
+            scratch.unlink(missing_ok=True)
+        return True
+
+    def _check_can_start_history(self, conn: Connection, *, create: bool) -> None:
+        """A database without the servegate schema gets it only when it is a history about to start:
+        a server database (named for servegate; it may share it with other tables), or a SQLite file
+        that holds nothing, written to by the gate (``create``). Reading an empty file, or anything in
+        a SQLite file of another application, would show "no gate runs" for a wrong --db."""
+        if self._sqlite_file is None:
+            return
+        tables = sa.inspect(conn).get_table_names()
+        if tables:
+            raise InfraError(f"{self._sqlite_file} is another application's SQLite database (tables "
+                             f"{', '.join(sorted(tables)[:5])}), not a servegate history; check --db / SERVEGATE_DB")
+        if not create:
+            raise InfraError(f"{self._sqlite_file} is not a servegate history database (no schema: an empty file); "
+                             f"check --db / SERVEGATE_DB, or remove the file to start a new history")
 
     def schema_version(self) -> int:
-        with self._engine.connect() as conn:
+        with self._reading("reading its schema version") as conn:
             return int(conn.execute(sa.select(sa.func.max(schema_migrations.c.version))).scalar() or 0)
 
     # ---- writing --------------------------------------------------------------------------
@@ -472,47 +632,44 @@ class Store:
         prepared = {name: (_frame_to_rows(name, df), [{"name": str(c), "dtype": str(df[c].dtype)} for c in df.columns])
                     for name, df in tables.items()}
         started_at = _naive_utc(manifest_d.get("started_at"))
-        try:
-            with self._engine.begin() as conn:
-                exists = conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id)).first() is not None
-                root, attempt = None, 1
-                if attempt_of is not None:
-                    original = conn.execute(sa.select(runs.c.run_id, runs.c.attempt_of)
-                                            .where(runs.c.run_id == attempt_of)).first()
-                    if original is None:
-                        raise ConfigError(f"attempt_of={attempt_of!r} is not a recorded run; record the original "
-                                          f"run first or drop attempt_of")
-                    root = original.attempt_of or original.run_id
-                    attempt = 1 + int(conn.execute(
-                        sa.select(sa.func.max(runs.c.attempt))
-                        .where(sa.or_(runs.c.run_id == root, runs.c.attempt_of == root))).scalar() or 1)
-                    if exists:
-                        run_id = f"{root}.attempt-{attempt}"
-                elif exists:
-                    raise ConfigError(f"run {run_id} is already recorded; a re-run must be recorded with "
-                                      f"attempt_of={run_id!r} (the original measurements are never overwritten)")
-                conn.execute(sa.insert(runs).values(
-                    run_id=run_id, attempt_of=root, attempt=attempt, workload=key.workload, engine=key.engine,
-                    hardware=key.hardware, model=key.model, status=status, started_at=started_at,
-                    recorded_at=_naive_utc(None), branch=_branch_of(manifest_d, config_d),
-                    git_revision=manifest_d.get("git_revision"), servegate_version=manifest_d.get("servegate_version"),
-                    run_dir=None if run_dir is None else str(run_dir), verdict=verdict_d, manifest=manifest_d,
-                    config=config_d))
-                for name, (rows, columns) in prepared.items():
-                    conn.execute(sa.insert(run_tables).values(run_id=run_id, table_name=name, n_rows=len(rows),
-                                                              columns=columns))
-                    if rows:
-                        conn.execute(sa.insert(table_rows), [
-                            {"run_id": run_id, "table_name": name, "row_index": i, "data": row}
-                            for i, row in enumerate(rows)])
-                if outcome_ds:
-                    conn.execute(sa.insert(outcomes_t), [
-                        {"run_id": run_id, "idx": i, "table_name": str(o.get("table", "")),
-                         "expectation_type": str(o.get("expectation_type", "")), "column_name": o.get("column"),
-                         "success": o.get("success"), "data": o}
-                        for i, o in enumerate(outcome_ds)])
-        except SQLAlchemyError as exc:
-            raise self._db_error(exc, f"recording run {run_id}") from exc
+        with self._writing(f"recording run {run_id}", create=True) as conn:
+            exists = conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id)).first() is not None
+            root, attempt = None, 1
+            if attempt_of is not None:
+                original = conn.execute(sa.select(runs.c.run_id, runs.c.attempt_of)
+                                        .where(runs.c.run_id == attempt_of)).first()
+                if original is None:
+                    raise ConfigError(f"attempt_of={attempt_of!r} is not a recorded run; record the original "
+                                      f"run first or drop attempt_of")
+                root = original.attempt_of or original.run_id
+                attempt = 1 + int(conn.execute(
+                    sa.select(sa.func.max(runs.c.attempt))
+                    .where(sa.or_(runs.c.run_id == root, runs.c.attempt_of == root))).scalar() or 1)
+                if exists:
+                    run_id = f"{root}.attempt-{attempt}"
+            elif exists:
+                raise ConfigError(f"run {run_id} is already recorded; a re-run must be recorded with "
+                                  f"attempt_of={run_id!r} (the original measurements are never overwritten)")
+            conn.execute(sa.insert(runs).values(
+                run_id=run_id, attempt_of=root, attempt=attempt, workload=key.workload, engine=key.engine,
+                hardware=key.hardware, model=key.model, status=status, started_at=started_at,
+                recorded_at=_naive_utc(None), branch=_branch_of(manifest_d, config_d),
+                git_revision=manifest_d.get("git_revision"), servegate_version=manifest_d.get("servegate_version"),
+                run_dir=None if run_dir is None else str(run_dir), verdict=verdict_d, manifest=manifest_d,
+                config=config_d))
+            for name, (rows, columns) in prepared.items():
+                conn.execute(sa.insert(run_tables).values(run_id=run_id, table_name=name, n_rows=len(rows),
+                                                          columns=columns))
+                if rows:
+                    conn.execute(sa.insert(table_rows), [
+                        {"run_id": run_id, "table_name": name, "row_index": i, "data": row}
+                        for i, row in enumerate(rows)])
+            if outcome_ds:
+                conn.execute(sa.insert(outcomes_t), [
+                    {"run_id": run_id, "idx": i, "table_name": str(o.get("table", "")),
+                     "expectation_type": str(o.get("expectation_type", "")), "column_name": o.get("column"),
+                     "success": o.get("success"), "data": o}
+                    for i, o in enumerate(outcome_ds)])
         return run_id
 
     def record_baseline_action(self, key: GateKey, action: str, *, reason: str, actor: str | None = None,
@@ -524,39 +681,30 @@ class Store:
         if not reason or not reason.strip():
             raise ConfigError(f"a baseline {action} needs a reason (--reason '...'): the record says why")
         actor = actor or os.environ.get("SERVEGATE_ACTOR") or os.environ.get("USER") or "unknown"
-        try:
-            with self._engine.begin() as conn:
-                result = conn.execute(sa.insert(baseline_actions).values(
-                    workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model, action=action,
-                    run_id=run_id, reason=reason.strip(), actor=actor, at=_naive_utc(at)))
-                return int(result.inserted_primary_key[0])
-        except SQLAlchemyError as exc:
-            raise self._db_error(exc, f"recording baseline action {action}") from exc
+        with self._writing(f"recording baseline action {action}") as conn:
+            result = conn.execute(sa.insert(baseline_actions).values(
+                workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model, action=action,
+                run_id=run_id, reason=reason.strip(), actor=actor, at=_naive_utc(at)))
+            return int(result.inserted_primary_key[0])
 
     def record_calibration(self, key: GateKey, *, plan: Mapping[str, Any], summary: Mapping[str, Any],
                            metrics: Sequence[Mapping[str, Any]], at: datetime | None = None) -> int:
         """Record one ``servegate calibrate`` result for ``key`` (one transaction); return its id."""
         from servegate import __version__
 
-        try:
-            with self._engine.begin() as conn:
-                result = conn.execute(sa.insert(calibrations).values(
-                    workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model,
-                    at=_naive_utc(at), servegate_version=__version__, plan=orjson.loads(_dumps(dict(plan))),
-                    summary=orjson.loads(_dumps(dict(summary))), metrics=orjson.loads(_dumps(list(metrics)))))
-                return int(result.inserted_primary_key[0])
-        except SQLAlchemyError as exc:
-            raise self._db_error(exc, "recording a calibration") from exc
+        with self._writing("recording a calibration", create=True) as conn:
+            result = conn.execute(sa.insert(calibrations).values(
+                workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model,
+                at=_naive_utc(at), servegate_version=__version__, plan=orjson.loads(_dumps(dict(plan))),
+                summary=orjson.loads(_dumps(dict(summary))), metrics=orjson.loads(_dumps(list(metrics)))))
+            return int(result.inserted_primary_key[0])
 
     def latest_calibration(self, key: GateKey) -> dict[str, Any] | None:
         """The newest calibration of ``key`` (``id, key, at, plan, summary, metrics``), or None."""
         where = _key_match(calibrations, key)
-        try:
-            with self._engine.connect() as conn:
-                row = conn.execute(sa.select(calibrations).where(where)
-                                   .order_by(calibrations.c.at.desc(), calibrations.c.id.desc()).limit(1)).mappings().first()
-        except SQLAlchemyError as exc:
-            raise self._db_error(exc, "reading calibrations") from exc
+        with self._reading("reading calibrations") as conn:
+            row = conn.execute(sa.select(calibrations).where(where)
+                               .order_by(calibrations.c.at.desc(), calibrations.c.id.desc()).limit(1)).mappings().first()
         if row is None:
             return None
         return {"id": row["id"], "key": str(key), "at": _aware(row["at"]), "servegate_version": row["servegate_version"],
@@ -569,11 +717,8 @@ class Store:
             query = query.where(where)
         order = (runs.c.started_at.desc(), runs.c.attempt.desc()) if order_desc else (runs.c.started_at,
                                                                                       runs.c.attempt)
-        try:
-            with self._engine.connect() as conn:
-                rows = conn.execute(query.order_by(*order)).all()
-        except SQLAlchemyError as exc:
-            raise self._db_error(exc, "reading runs") from exc
+        with self._reading("reading runs") as conn:
+            rows = conn.execute(query.order_by(*order)).all()
         return [RunRecord(run_id=r.run_id, key=GateKey(r.workload, r.engine, r.hardware, r.model), attempt=r.attempt,
                           attempt_of=r.attempt_of, status=r.status, started_at=_aware(r.started_at),
                           recorded_at=_aware(r.recorded_at), branch=r.branch, git_revision=r.git_revision,
@@ -591,7 +736,7 @@ class Store:
         return found[0]
 
     def keys(self) -> list[GateKey]:
-        with self._engine.connect() as conn:
+        with self._reading("reading gate keys") as conn:
             rows = conn.execute(sa.select(runs.c.workload, runs.c.engine, runs.c.hardware, runs.c.model)
                                 .distinct()).all()
         return sorted(GateKey(*r) for r in rows)
@@ -639,7 +784,7 @@ class Store:
         return dict(sorted(out.items()))
 
     def table_names(self, run_id: str) -> list[str]:
-        with self._engine.connect() as conn:
+        with self._reading(f"reading the table names of run {run_id}") as conn:
             return list(conn.execute(sa.select(run_tables.c.table_name).where(run_tables.c.run_id == run_id)
                                      .order_by(run_tables.c.table_name)).scalars())
 
@@ -648,20 +793,17 @@ class Store:
         query = sa.select(run_tables).where(run_tables.c.run_id == run_id)
         if names is not None:
             query = query.where(run_tables.c.table_name.in_(list(names)))
-        try:
-            with self._engine.connect() as conn:
-                metas = conn.execute(query).all()
-                out: dict[str, pd.DataFrame] = {}
-                for meta in metas:
-                    data = conn.execute(sa.select(table_rows.c.data)
-                                        .where(table_rows.c.run_id == run_id,
-                                               table_rows.c.table_name == meta.table_name)
-                                        .order_by(table_rows.c.row_index)).scalars().all()
-                    columns = [c["name"] for c in meta.columns]
-                    df = pd.DataFrame.from_records(list(data), columns=columns)
-                    out[meta.table_name] = _restore_dtypes(df, meta.columns)
-        except SQLAlchemyError as exc:
-            raise self._db_error(exc, f"reading the tables of run {run_id}") from exc
+        with self._reading(f"reading the tables of run {run_id}") as conn:
+            metas = conn.execute(query).all()
+            out: dict[str, pd.DataFrame] = {}
+            for meta in metas:
+                data = conn.execute(sa.select(table_rows.c.data)
+                                    .where(table_rows.c.run_id == run_id,
+                                           table_rows.c.table_name == meta.table_name)
+                                    .order_by(table_rows.c.row_index)).scalars().all()
+                columns = [c["name"] for c in meta.columns]
+                df = pd.DataFrame.from_records(list(data), columns=columns)
+                out[meta.table_name] = _restore_dtypes(df, meta.columns)
         return out
 
     def table(self, run_id: str, name: str) -> pd.DataFrame:
@@ -671,7 +813,7 @@ class Store:
         return found[name]
 
     def outcomes(self, run_id: str) -> list[dict[str, Any]]:
-        with self._engine.connect() as conn:
+        with self._reading(f"reading the expectation outcomes of run {run_id}") as conn:
             return list(conn.execute(sa.select(outcomes_t.c.data).where(outcomes_t.c.run_id == run_id)
                                      .order_by(outcomes_t.c.idx)).scalars())
 
@@ -679,16 +821,10 @@ class Store:
         """Every baseline action recorded for ``key``, in the order they were recorded (a
         distribution change may carry an earlier effective ``at``; it still cancels earlier pins)."""
         where = _key_match(baseline_actions, key)
-        with self._engine.connect() as conn:
+        with self._reading("reading baseline actions") as conn:
             rows = conn.execute(sa.select(baseline_actions).where(where)
                                 .order_by(baseline_actions.c.id)).mappings().all()
         return [{**dict(r), "at": _aware(r["at"])} for r in rows]
-
-
-def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
 
 
 def parse_since(text: str) -> datetime:

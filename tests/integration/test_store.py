@@ -206,8 +206,78 @@ def test_schema_is_versioned_and_newer_databases_are_refused(tmp_path: Path) -> 
             assert conn.execute(sa.text("SELECT count(*) FROM schema_migrations")).scalar() == len(MIGRATIONS)
         with s.engine.begin() as conn:
             conn.execute(sa.text("INSERT INTO schema_migrations VALUES (999, 'future', '2030-01-01')"))
-    with pytest.raises(ConfigError, match="newer than this servegate"):
-        Store(str(path))
+    with Store(str(path)) as s, pytest.raises(InfraError, match="newer than this servegate.*upgrade servegate"):
+        s.runs()
+
+
+# ---- what is not a history ----------------------------------------------------------------
+def test_an_empty_file_is_not_a_history_to_read_but_the_gate_may_start_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "empty.db"
+    path.touch()
+    no_schema = r"empty\.db is not a servegate history database \(no schema.*check --db / SERVEGATE_DB.*remove the file"
+    with Store(str(path)) as s:
+        for read in (s.runs, s.latest, s.keys, lambda: s.get_run("run-a"), s.schema_version):
+            with pytest.raises(InfraError, match=no_schema):
+                read()
+    assert path.stat().st_size == 0  # reading left the file as it was
+    # The release manager's view: an error that says what is wrong, not "no gate runs recorded".
+    from servegate import history_cli
+
+    assert history_cli.main(["status", "--db", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a servegate history database" in err and "no gate runs" not in err
+    # The gate's recording path may start a history in an empty file.
+    with Store(str(path)) as s:
+        s.record_run(**run_inputs("first", started_at=T0))
+    with Store(str(path)) as s:
+        assert [r.run_id for r in s.runs()] == ["first"] and s.schema_version() == SCHEMA_VERSION
+
+
+def test_a_file_that_is_not_sqlite_says_so_and_does_not_blame_a_lock(tmp_path: Path) -> None:
+    path = tmp_path / "history.db"
+    garbage = np.random.default_rng(0).bytes(8192)
+    path.write_bytes(garbage)
+    with Store(str(path)) as s:
+        for use in (s.runs, lambda: s.record_run(**run_inputs("x", started_at=T0))):
+            with pytest.raises(InfraError) as info:
+                use()
+            message = str(info.value)
+            assert "not a SQLite database" in message and "check that --db / SERVEGATE_DB" in message, message
+            assert "lock" not in message, message
+    assert path.read_bytes() == garbage
+
+
+def test_another_applications_sqlite_file_is_refused_for_reading_and_writing(tmp_path: Path) -> None:
+    path = tmp_path / "places.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE moz_places (id INTEGER PRIMARY KEY, url TEXT)")
+    with Store(str(path)) as s:
+        for use in (s.runs, lambda: s.record_run(**run_inputs("x", started_at=T0))):
+            with pytest.raises(InfraError, match=r"another application's SQLite database \(tables moz_places\)"):
+                use()
+    with sqlite3.connect(path) as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["moz_places"]
+
+
+def test_a_locked_database_keeps_the_locking_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import servegate.store as store_mod
+
+    path = tmp_path / "history.db"
+    with Store(str(path)) as s:
+        s.record_run(**run_inputs("first", started_at=T0))
+    monkeypatch.setattr(store_mod, "_SQLITE_BUSY_TIMEOUT_S", 0.2)
+    writer = sqlite3.connect(path, isolation_level=None)  # another writer, holding the write lock
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        with Store(str(path)) as s:
+            assert [r.run_id for r in s.runs()] == ["first"]  # readers are not blocked
+            with pytest.raises(InfraError, match=r"database is locked; another process held its write lock for "
+                                                 r"over 0\.2 s.*then retry"):
+                s.record_run(**run_inputs("second", started_at=T0))
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
 
 
 def test_default_url_and_postgres_ddl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,7 +285,7 @@ def test_default_url_and_postgres_ddl(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("SERVEGATE_HOME", str(tmp_path / "home"))
     assert default_url() == f"sqlite:///{tmp_path / 'home' / 'history.db'}"
     with Store() as s:
-        assert (tmp_path / "home" / "history.db").is_file() and s.schema_version() == SCHEMA_VERSION
+        assert s.schema_version() == SCHEMA_VERSION and (tmp_path / "home" / "history.db").is_file()
     monkeypatch.setenv("SERVEGATE_DB", "sqlite:///" + str(tmp_path / "env.db"))
     assert default_url().endswith("env.db")
     # The schema is portable: it compiles for PostgreSQL (JSON columns, FKs) without a server.
