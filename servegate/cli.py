@@ -14,10 +14,13 @@ bad input, infra failure).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Sequence
 
 from servegate.errors import ConfigError, ServegateError
@@ -118,6 +121,27 @@ def _cmd_profiles(_: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def _is_termination(exc: BaseException) -> bool:
+    """SIGTERM as it reaches main: servegate's handler raises SystemExit(143); Prefect's flow
+    engine raises its TerminationSignal (looked up only if Prefect was imported)."""
+    if isinstance(exc, SystemExit):
+        return exc.code == 128 + signal.SIGTERM
+    prefect_exceptions = sys.modules.get("prefect.exceptions")
+    return prefect_exceptions is not None and isinstance(exc, prefect_exceptions.TerminationSignal)
+
+
+def _report_crash(exc: Exception) -> None:
+    """Anything not mapped to a ServegateError: exit 2 (could not decide), never 1 (a regression)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        where = f" writing {exc.filename}" if exc.filename else ""
+        print(f"servegate: error: no space left on device{where}; free disk space (or point --output-dir and "
+              f"SERVEGATE_DB elsewhere) and run again. Verdict: could not decide.", file=sys.stderr)
+        return
+    print(f"servegate: internal error: {type(exc).__name__}: {exc}. Verdict: could not decide. This is a "
+          f"servegate bug: please report it with the traceback below and the run folder.", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_defaults()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -143,6 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNDECIDED
     except KeyboardInterrupt:
         print("servegate: interrupted; the worker was stopped. Verdict: could not decide.", file=sys.stderr)
+        return EXIT_UNDECIDED
+    except BaseException as exc:
+        if _is_termination(exc):
+            print("servegate: terminated (SIGTERM); the worker was stopped and what was measured is kept in the "
+                  "run folder. Verdict: could not decide.", file=sys.stderr)
+            return EXIT_UNDECIDED
+        if not isinstance(exc, Exception):
+            raise
+        _report_crash(exc)
         return EXIT_UNDECIDED
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse guarantees a known command
 

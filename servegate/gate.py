@@ -27,6 +27,7 @@ from servegate.config import GateConfig
 from servegate.engines import get_engine
 from servegate.engines.base import Engine
 from servegate.errors import ConfigError, InfraError, ServegateError, WorkerDiedError
+from servegate.proctree import exit_on_sigterm, guard_process_tree
 
 __all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "StageOutcome", "call_flow", "device_slot_limit",
            "hold_device_slot", "resolve_config"]
@@ -47,7 +48,13 @@ _T = TypeVar("_T")
 
 def call_flow(flow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """Run a Prefect flow for a CLI command; Prefect failing to start its API server becomes an
-    ``InfraError`` that says what to do (the flow's own failures are recorded in its result)."""
+    ``InfraError`` that says what to do (the flow's own failures are recorded in its result).
+
+    Before anything starts (Prefect's temporary API server is the first child), the process gets
+    its guardian and a SIGTERM that unwinds: no process outlives the command, however it ends.
+    """
+    exit_on_sigterm()
+    guard_process_tree()
     try:
         return flow(*args, **kwargs)
     except RuntimeError as exc:
@@ -230,8 +237,8 @@ class GateRun:
             self._write_stages(outcome)
 
     def _describe_failure(self, stage: str, exc: BaseException) -> str:
-        if isinstance(exc, KeyboardInterrupt):
-            return "interrupted (Ctrl-C or SIGTERM)"
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit(143), Prefect's TerminationSignal
+            return f"interrupted ({'Ctrl-C' if isinstance(exc, KeyboardInterrupt) else 'SIGTERM'}) during {stage}"
         message = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, ServegateError):
             message = f"internal error ({message}); this is a servegate bug, please report it with the run folder"

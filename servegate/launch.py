@@ -43,7 +43,7 @@ from servegate.config import WorkerSpec
 from servegate.engines import Engine, get_engine
 from servegate.errors import ConfigError, WorkerDiedError, WorkerLaunchError, WorkerOOMError
 from servegate.http import make_session
-from servegate.proctree import end_session, guard_process_tree, watch_group
+from servegate.proctree import end_session, exit_on_sigterm, guard_process_tree, watch_group
 
 __all__ = ["WorkerHandle", "launch_worker", "free_port"]
 
@@ -189,10 +189,6 @@ def _stop_all_workers() -> None:
         handle.stop()
 
 
-def _sigterm_to_exit(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _install_exit_hooks() -> None:
     global _atexit_registered, _sigterm_checked
     if not _atexit_registered:
@@ -202,8 +198,7 @@ def _install_exit_hooks() -> None:
     # so keep trying on later launches until one happens in the main thread.
     if not _sigterm_checked and threading.current_thread() is threading.main_thread():
         _sigterm_checked = True
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _sigterm_to_exit)
+        exit_on_sigterm()
 
 
 def _startup_exit_error(handle: WorkerHandle, rc: int) -> WorkerLaunchError:

@@ -33,7 +33,7 @@ import time
 
 import psutil
 
-__all__ = ["KILL_WAIT_S", "descendants", "end_session", "group_members", "guard_process_tree", "terminate_tree",
+__all__ = ["KILL_WAIT_S", "descendants", "end_session", "exit_on_sigterm", "group_members", "guard_process_tree", "terminate_tree",
            "wait_gone", "watch_group"]
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,20 @@ def end_session(process: subprocess.Popen, timeout_s: float) -> None:
     if left:
         logger.warning("processes %s of group %d did not exit %.0f s after SIGKILL",
                        [p.pid for p in left], pgid, KILL_WAIT_S)
+
+
+def _sigterm_to_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind the stack (``SystemExit(143)``) so that ``finally`` blocks, context
+    managers and ``atexit`` run, when nobody else handles it. Only from the main thread (signal
+    handlers can only be set there); a handler someone else installed is left alone (Prefect's
+    flow engine raises its ``TerminationSignal``, which unwinds the stack too)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+            signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _sigterm_to_exit)
 
 
 # ---- the guardian ---------------------------------------------------------------------------
