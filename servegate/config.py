@@ -1,18 +1,29 @@
 """The gate's configuration: one typed model, loaded from TOML or YAML, with CLI overrides.
 
 Invalid values are rejected when the config loads, with the field, the value and what
-is allowed (``ConfigError``). Shipped profiles live in ``servegate/profiles/<name>.toml``.
+is allowed (``ConfigError``); every timeout, interval and duration is a ``Seconds``,
+``Milliseconds`` or ``Days`` field (finite, > 0). Shipped profiles live in
+``servegate/profiles/<name>.toml`` and are chosen by name only.
+
+Secrets — ``worker.api_key`` (a ``SecretStr``), secret-named ``worker.env`` values, passwords in
+``worker.url`` and ``store.url`` — are redacted in every JSON dump (``model_dump(mode="json")``),
+which is how the config reaches config.json, the history database and Prefect's flow-run
+parameters. Code that sends the key calls ``WorkerSpec.api_key_value()``; ``worker.api_key_env``
+names an environment variable that holds it, so that no file has to.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError,
+                      field_serializer, field_validator, model_validator)
 
 from servegate.errors import ConfigError
 
@@ -37,6 +48,12 @@ __all__ = [
     "available_profiles",
     "load_config",
     "apply_overrides",
+    "Seconds",
+    "Milliseconds",
+    "Days",
+    "REDACTED",
+    "is_secret_env_name",
+    "redact_url",
 ]
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -50,10 +67,68 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def _finite_positive(name: str, value: float) -> float:
-    if value is None or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
-    return float(value)
+# ---- durations ------------------------------------------------------------------------------
+# Every timeout, interval and duration of the config is one of these types, so that all of them
+# are checked the same way at load time: a NaN timeout never fires, a negative one fails every
+# request at once, an infinite one hangs the gate (the error names the field and the value).
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got {value!r}")
+    return value
+
+
+def _duration_check(unit: str) -> Any:
+    def check(value: float) -> float:
+        if math.isnan(value) or math.isinf(value) or value <= 0:
+            raise ValueError(f"must be a finite number > 0 ({unit}), got {value!r}")
+        return value
+    return check
+
+
+Seconds = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_duration_check("seconds"))]
+"""A timeout, interval or duration in seconds: finite and > 0."""
+Milliseconds = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_duration_check("milliseconds"))]
+"""A latency bound in milliseconds: finite and > 0."""
+Days = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_duration_check("days"))]
+"""A look-back window in days: finite and > 0."""
+
+
+# ---- secrets ------------------------------------------------------------------------------
+REDACTED = "<redacted>"
+"""What a secret looks like in every JSON dump of the config: config.json, the history database,
+Prefect's flow-run parameters."""
+
+_REDACTED_PLACEHOLDERS = (REDACTED, "**********")  # ours, and SecretStr's own str()
+_SECRET_ENV_RE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_URL_PASSWORD_RE = re.compile(r"^(?P<user>[A-Za-z][\w+.-]*://[^:/@]*:)[^@]*@")
+_PLAIN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_secret_env_name(name: str) -> bool:
+    """True for environment variable names that hold secrets (``HF_TOKEN``, ``*_API_KEY``, ...)."""
+    return bool(_SECRET_ENV_RE.search(name))
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with its password shown as ``***`` (for messages and snapshots); unchanged when it
+    carries none (SQLite paths, URLs without credentials).
+
+    Database URLs are rendered by SQLAlchemy (``render_as_string(hide_password=True)``), which
+    parses a password that holds ``/`` or ``:``; HTTP URLs keep their exact spelling otherwise.
+    """
+    if not url or not _URL_PASSWORD_RE.match(url):
+        return url
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        from sqlalchemy.engine import make_url  # only here: the CLI parser must not import SQLAlchemy
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            return make_url(url).render_as_string(hide_password=True)
+        except (ArgumentError, ValueError):
+            pass
+    return _URL_PASSWORD_RE.sub(r"\g<user>***@", url, count=1)
 
 
 class MemoryBudget(_Model):
@@ -103,15 +178,55 @@ class WorkerSpec(_Model):
     extra_args: list[str] = Field(default_factory=list, description="extra launch arguments, appended verbatim")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the worker process")
     python: str | None = Field(None, description="python executable for engines in their own virtualenv")
-    ready_timeout_s: float = Field(300.0, description="seconds to wait for readiness")
+    ready_timeout_s: Seconds = Field(300.0, description="seconds to wait for readiness")
     enable_metrics: bool = Field(True, description="ask the engine to expose /metrics")
     speculative_num_draft_tokens: int | None = Field(None, gt=0, description="NGRAM speculative decoding")
-    api_key: str | None = Field(None, description="Bearer token for the server")
+    api_key: SecretStr | None = Field(None, description=f"Bearer token for the server; {REDACTED} in every snapshot "
+                                                        f"(prefer api_key_env: then no file holds it)")
+    api_key_env: str | None = Field(None, description="name of the environment variable that holds the Bearer "
+                                                      "token, read when the worker is launched")
 
-    @field_validator("ready_timeout_s")
+    @field_validator("api_key_env")
     @classmethod
-    def _ready_timeout(cls, v: float) -> float:
-        return _finite_positive("ready_timeout_s", v)
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not _ENV_NAME_RE.match(v):
+            raise ValueError(f"must be an environment variable name (letters, digits, _), got {v!r}; "
+                             f"it names the variable that holds the key, not the key itself")
+        return v
+
+    @field_serializer("api_key", when_used="json")
+    def _hide_api_key(self, value: SecretStr | None) -> str | None:
+        return None if value is None else REDACTED
+
+    @field_serializer("env", when_used="json")
+    def _hide_secret_env(self, value: dict[str, str]) -> dict[str, str]:
+        return {k: (REDACTED if is_secret_env_name(k) else v) for k, v in value.items()}
+
+    @field_serializer("url", when_used="json")
+    def _hide_url_password(self, value: str | None) -> str | None:
+        return redact_url(value)
+
+    def api_key_value(self) -> str | None:
+        """The Bearer token in clear, for the code that sends it or hands it to the engine: the
+        value of ``$api_key_env`` or of ``api_key``; None when neither is set.
+
+        Raises ``ConfigError`` when ``api_key_env`` names an unset variable, or when ``api_key``
+        is the placeholder a snapshot holds instead of the key (a config reloaded from config.json).
+        """
+        if self.api_key_env is not None:
+            value = os.environ.get(self.api_key_env, "")
+            if not value:
+                raise ConfigError(f"worker.api_key_env names ${self.api_key_env}, which is not set (or empty) here; "
+                                  f"export it before the gate runs, or unset worker.api_key_env")
+            return value
+        if self.api_key is None:
+            return None
+        value = self.api_key.get_secret_value()
+        if value in _REDACTED_PLACEHOLDERS:
+            raise ConfigError("worker.api_key is the placeholder of a config snapshot, not a key (snapshots keep no "
+                              "secrets); give the key again by environment: --set worker.api_key_env=NAME (NAME "
+                              "holds the key), or --set worker.api_key=KEY (visible in ps)")
+        return value or None
 
     @field_validator("memory_profile")
     @classmethod
@@ -120,10 +235,21 @@ class WorkerSpec(_Model):
             raise ValueError(f"unknown memory profile {v!r}; choose one of {sorted(MEMORY_PROFILES)}")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _env_replaces_placeholder(cls, data: Any) -> Any:
+        # A snapshot (config.json) holds the placeholder where the key was; naming the variable
+        # that holds the key (`--set worker.api_key_env=NAME`) is how it is given back.
+        if isinstance(data, dict) and data.get("api_key_env") and data.get("api_key") in _REDACTED_PLACEHOLDERS:
+            data = {k: v for k, v in data.items() if k != "api_key"}
+        return data
+
     @model_validator(mode="after")
     def _external_needs_url(self) -> "WorkerSpec":
         if self.engine == "external" and not self.url:
             raise ValueError("engine 'external' needs url (the base URL of the running server)")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give either api_key or api_key_env (the variable that holds the key), not both")
         return self
 
     def budget(self) -> MemoryBudget:
@@ -139,17 +265,12 @@ class WarmupConfig(_Model):
     num_requests: int = Field(3, ge=1)
     max_new_tokens: int = Field(64, ge=1, description="SGLang's kits use 64")
     prompt: str = "The capital of France is"
-    request_timeout_s: float = 120.0
+    request_timeout_s: Seconds = 120.0
 
 
 class FlushConfig(_Model):
-    timeout_s: float = Field(60.0, description="how long the server may wait for idle before flushing")
-    request_timeout_s: float | None = Field(None, description="HTTP timeout; default timeout_s + 30")
-
-    @field_validator("timeout_s")
-    @classmethod
-    def _timeout(cls, v: float) -> float:
-        return _finite_positive("flush.timeout_s", v)
+    timeout_s: Seconds = Field(60.0, description="how long the server may wait for idle before flushing")
+    request_timeout_s: Seconds | None = Field(None, description="HTTP timeout; default timeout_s + 30")
 
 
 class OneBatchConfig(_Model):
@@ -161,7 +282,7 @@ class OneBatchConfig(_Model):
     repeats: int = Field(1, ge=1, description="measure each case this many times (fresh prompts each); "
                                               "the baseline comparison gates a case from 3 repeats")
     skip_token_capacity_check: bool = False
-    request_timeout_s: float = 600.0
+    request_timeout_s: Seconds = 600.0
     seed: int = 1
 
     @field_validator("batch_sizes", "input_lens", "output_lens")
@@ -185,11 +306,11 @@ class ServingConfig(_Model):
     max_concurrency: int | None = Field(None, ge=1)
     protocol: Literal["native", "openai"] | None = Field(None, description="default: the engine's own")
     seed: int = 1
-    slo_ttft_ms: float | None = Field(None, gt=0)
-    slo_tpot_ms: float | None = Field(None, gt=0)
-    slo_e2e_ms: float | None = Field(None, gt=0)
-    max_dispatch_lag_p99_ms: float = Field(50.0, gt=0, description="client fell behind past this")
-    request_timeout_s: float = 600.0
+    slo_ttft_ms: Milliseconds | None = None
+    slo_tpot_ms: Milliseconds | None = None
+    slo_e2e_ms: Milliseconds | None = None
+    max_dispatch_lag_p99_ms: Milliseconds = Field(50.0, description="client fell behind past this")
+    request_timeout_s: Seconds = 600.0
     progress: bool = True
 
     @field_validator("request_rate")
@@ -209,15 +330,24 @@ class ServingConfig(_Model):
 class OccupancyConfig(_Model):
     enabled: bool = True
     max_new_tokens: int = Field(2048, ge=1, description="SGLang's kit: 2048")
-    scrape_interval_s: float = Field(0.5, gt=0)
+    scrape_interval_s: Seconds = 0.5
     min_samples: int = Field(3, ge=1)
     prompt: str = "Write a long story about a lighthouse keeper."
-    request_timeout_s: float = 900.0
+    request_timeout_s: Seconds = 900.0
 
 
 class ValidateConfig(_Model):
     expectation_profile: str = Field("smoke", description="expectations/<name>.json")
     expectations_dir: str | None = Field(None, description="default: the project's expectations/")
+
+    @field_validator("expectation_profile")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # A name, not a path: "../../x" must not read a suite from outside expectations_dir.
+        if not _PLAIN_NAME_RE.match(v) or ".." in v:
+            raise ValueError(f"must be a suite name (expectations/<name>.json: letters, digits, '.', '_', '-'), "
+                             f"got {v!r}; to use suites from another folder set validate.expectations_dir")
+        return v
 
 
 class QualityConfig(_Model):
@@ -236,10 +366,10 @@ class QualityConfig(_Model):
     reference: str = Field("in-process", description="'in-process' (transformers fp32 run of the model) or the "
                                                      "path to a stored reference file (record_reference)")
     seed: int = Field(1, description="seed of the max_items sample")
-    request_timeout_s: float = Field(300.0, gt=0, description="HTTP timeout per request")
+    request_timeout_s: Seconds = Field(300.0, description="HTTP timeout per request")
     concurrency: int = Field(4, ge=1, description="requests in flight at once")
 
-    @field_validator("logprob_tolerance", "request_timeout_s")
+    @field_validator("logprob_tolerance")
     @classmethod
     def _finite(cls, v: float) -> float:
         if math.isnan(v) or math.isinf(v):
@@ -265,7 +395,7 @@ class CompareConfig(_Model):
     policy: Literal["last_n", "pinned", "window"] = Field("last_n", description="how the baseline is chosen")
     n: int = Field(5, ge=1, description="last_n: how many passing runs")
     branch: str | None = Field(None, description="last_n: reference branch (None = any)")
-    days: float | None = Field(None, gt=0, description="window: how many days back")
+    days: Days | None = Field(None, description="window: how many days back")
     bound: float = Field(0.05, gt=0, lt=1, description="minimum effect size on medians (0.05 = 5 %)")
     tail_bound: float = Field(0.10, gt=0, lt=1, description="minimum effect size on p99 tails")
 
@@ -273,7 +403,12 @@ class CompareConfig(_Model):
 class StoreConfig(_Model):
     enabled: bool = Field(True, description="record every run in the history database")
     url: str | None = Field(None, description="SQLAlchemy URL or SQLite path; default $SERVEGATE_DB or "
-                                              "~/.local/share/servegate/history.db")
+                                              "~/.local/share/servegate/history.db. A password in it is "
+                                              "shown as *** in every snapshot: prefer $SERVEGATE_DB")
+
+    @field_serializer("url", when_used="json")
+    def _hide_password(self, value: str | None) -> str | None:
+        return redact_url(value)
 
 
 class ReportConfig(_Model):
@@ -374,11 +509,12 @@ def load_config(path: str | Path | None = None, profile: str | None = None,
         data = _read_file(Path(path))
     else:
         profile = profile or "smoke"
-        p = PROFILES_DIR / f"{profile}.toml"
-        if not p.is_file():
-            raise ConfigError(f"unknown profile {profile!r}; choose one of {available_profiles()}")
+        # Only the shipped names: "../../x" must not load a TOML from outside the profiles folder.
+        if profile not in available_profiles():
+            raise ConfigError(f"unknown profile {profile!r}; choose one of {available_profiles()}, or give a "
+                              f"config file instead of a profile")
         source = f"profile {profile}"
-        data = _read_file(p)
+        data = _read_file(PROFILES_DIR / f"{profile}.toml")
     data = apply_overrides(data, list(overrides or []))
     try:
         return GateConfig.model_validate(data)

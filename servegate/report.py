@@ -31,7 +31,7 @@ from servegate.baseline import BaselinePolicy
 from servegate.compare import GATED_METRICS, GatedMetric, compare_run, extract_samples
 from servegate.errors import ConfigError
 from servegate.store import RunRecord, Store
-from servegate.verdict import calibration_text, percent_text
+from servegate.verdict import calibration_text, markdown_cell, markdown_code, markdown_text, percent_text
 
 __all__ = [
     "PLOT_NAMES",
@@ -416,7 +416,15 @@ def write_junit(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str
 
 
 def _md_escape(value: Any) -> str:
-    return _fmt(value).replace("|", "\\|").replace("\n", " ")
+    """A table cell of the summary: verdict and comparison text come from servers and the
+    history database (a server's error body, a model name): HTML, pipes and backticks neutralised."""
+    return markdown_cell(_fmt(value))
+
+
+def _md_link_target(path: str | Path) -> str:
+    """A link destination inside ``<...>``: spaces and parentheses allowed, ``<``, ``>`` and line
+    breaks (which would end it) percent-encoded."""
+    return str(path).replace("<", "%3C").replace(">", "%3E").replace("\n", "%0A").replace("\r", "%0D")
 
 
 def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str, Any] | Any] = (),
@@ -427,10 +435,11 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
     ``path`` when given, always returned (e.g. for ``prefect.artifacts.create_markdown_artifact``)."""
     verdict_d = _as_dict(verdict)
     outs = [_as_dict(o) for o in outcomes]
-    status = verdict_d.get("status", "unknown")
-    lines = [f"## servegate: **{status}**" + (f" — `{key}`" if key else "")]
+    status = markdown_text(verdict_d.get("status", "unknown"))
+    lines = [f"## servegate: **{status}**" + (f" — {markdown_code(key)}" if key else "")]
     if run_id:
-        lines.append(f"Run `{run_id}`" + (f" · [HTML report]({report_path})" if report_path else ""))
+        link = f" · [HTML report](<{_md_link_target(report_path)}>)" if report_path else ""
+        lines.append(f"Run {markdown_code(run_id)}" + link)
     evaluated = [o for o in outs if o.get("success") is not None]
     lines.append(f"\n{sum(o.get('success') is True for o in outs)}/{len(evaluated)} expectations met, "
                  f"{sum(o.get('success') is None for o in outs)} not evaluated.")
@@ -442,19 +451,20 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
         lines += ["| " + " | ".join(_md_escape(b.get(f)) for f in fields) + " |" for b in breaches]
     infra = verdict_d.get("infra_errors") or []
     if infra:
-        lines += ["\n### Infrastructure errors (could not decide)"] + [f"- {_md_escape(e)}" for e in infra]
+        lines += ["\n### Infrastructure errors (could not decide)"] + [f"- {markdown_text(e)}" for e in infra]
     trust = calibration_text(verdict_d.get("calibration"))
     if trust:
-        lines.append(f"\n**Trust:** {_md_escape(trust)}")
+        lines.append(f"\n**Trust:** {markdown_text(trust)}")
     if comparison is not None and not comparison.empty:
         lines += ["\n### Comparison with the baseline",
-                  f"Baseline: {_md_escape(comparison['baseline_policy'].iloc[0])}\n",
+                  f"Baseline: {markdown_text(_fmt(comparison['baseline_policy'].iloc[0]))}\n",
                   "| metric | case | baseline | current | ratio | CI | decision |", "|---|---|---|---|---|---|---|"]
         for r in comparison.itertuples(index=False):
             mark = "**" if r.decision == "regression" else ""
-            lines.append(f"| {r.metric} | {_md_escape(r.case)} | {_md_escape(r.baseline_value)} | "
-                         f"{_md_escape(r.current_value)} | {mark}{_md_escape(r.ratio)}{mark} | "
-                         f"[{_md_escape(r.ci_low)}, {_md_escape(r.ci_high)}] | {mark}{r.decision}{mark} |")
+            ci = f"[{_md_escape(r.ci_low)}, {_md_escape(r.ci_high)}]"
+            lines.append(f"| {_md_escape(r.metric)} | {_md_escape(r.case)} | {_md_escape(r.baseline_value)} | "
+                         f"{_md_escape(r.current_value)} | {mark}{_md_escape(r.ratio)}{mark} | {ci} | "
+                         f"{mark}{_md_escape(r.decision)}{mark} |")
     text = "\n".join(lines) + "\n"
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import servegate
-from servegate.config import GateConfig
+from servegate.config import REDACTED, GateConfig, is_secret_env_name, redact_url
 from servegate.errors import ConfigError, StageError
 
 __all__ = [
@@ -285,18 +285,21 @@ def _finite_json(value: Any) -> Any:
     return value
 
 
-_SECRET_ENV_RE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
-REDACTED = "<redacted>"
-
-
 def _redact(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Secrets out of a config snapshot that did not come from ``GateConfig.model_dump(mode="json")``
+    (which already redacts them): the API key, secret-named env values, URL passwords."""
     worker = snapshot.get("worker")
     if isinstance(worker, dict):
         if worker.get("api_key"):
             worker["api_key"] = REDACTED
         env = worker.get("env")
         if isinstance(env, dict):
-            worker["env"] = {k: (REDACTED if _SECRET_ENV_RE.search(k) else v) for k, v in env.items()}
+            worker["env"] = {k: (REDACTED if is_secret_env_name(k) else v) for k, v in env.items()}
+        if isinstance(worker.get("url"), str):
+            worker["url"] = redact_url(worker["url"])
+    store = snapshot.get("store")
+    if isinstance(store, dict) and isinstance(store.get("url"), str):
+        store["url"] = redact_url(store["url"])
     return snapshot
 
 
@@ -362,7 +365,8 @@ class RunFolder:
         Infinite values (``serving.request_rate = inf``) are written as the string ``"inf"``,
         which ``GateConfig.model_validate`` reads back, so the snapshot reloads as the same config.
         Secrets are replaced by ``"<redacted>"``: ``worker.api_key`` and ``worker.env`` entries whose
-        name contains TOKEN, KEY, SECRET or PASSWORD (run folders get shared and archived).
+        name contains TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL; passwords in ``store.url`` and
+        ``worker.url`` become ``***`` (run folders get shared and archived).
         """
         snapshot = _redact(_finite_json(cfg.model_dump(mode="json", by_alias=True)))
         m = self._manifest

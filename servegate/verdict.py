@@ -20,7 +20,9 @@ Exit codes: pass 0, fail 1, inconclusive 2.
 
 from __future__ import annotations
 
+import html
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -40,6 +42,10 @@ __all__ = [
     "format_verdict_table",
     "observed_text",
     "verdict_markdown",
+    "markdown_text",
+    "markdown_cell",
+    "markdown_code",
+    "terminal_text",
 ]
 
 VERDICT_SCHEMA_VERSION = "1"
@@ -185,9 +191,51 @@ def decide(outcomes: list[ExpectationOutcome], infra_errors: list[str],
                    not_validated=missing_tables, not_applicable=exempt, summary=summary, baseline_eligible=eligible)
 
 
+# ---- untrusted text -------------------------------------------------------------------------
+# Breaches and infra errors carry text a server wrote (an error body, a model name). Rendered
+# as is, it could inject HTML into a Prefect artifact or CI summary, break a Markdown table, or
+# send escape sequences to a terminal.
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0/C1 controls but tab and newline
+_MARKDOWN_PUNCT_RE = re.compile(r"([\\`*\[\]])")  # code spans, emphasis, links and images
+
+
+def terminal_text(value: Any) -> str:
+    """``value`` as text without control characters (terminal escape sequences); lines kept."""
+    return _CONTROL_RE.sub("\N{REPLACEMENT CHARACTER}", str(value))
+
+
+_HTML_START_RE = re.compile(r"&(?=#?\w+;)|<(?=[A-Za-z/!?])")  # what can start an entity or a tag
+
+
+def markdown_text(value: Any) -> str:
+    """Untrusted ``value`` as one line of Markdown prose that renders as the same text: ``<`` and
+    ``&`` that could start an HTML tag, comment or entity escaped (``<= 0`` stays readable),
+    ``\\ ` * [ ]`` backslash-escaped (no code span, emphasis, link or image), control
+    characters and line breaks made spaces."""
+    text = " ".join(_CONTROL_RE.sub(" ", str(value)).split())
+    text = _MARKDOWN_PUNCT_RE.sub(r"\\\1", text)
+    return _HTML_START_RE.sub(lambda m: html.escape(m.group(0)), text)
+
+
+def markdown_cell(value: Any) -> str:
+    """``markdown_text`` for a table cell: pipes escaped too (a ``|`` would start a new column)."""
+    return markdown_text(value).replace("|", "\\|")
+
+
+def markdown_code(value: Any, *, in_table: bool = False) -> str:
+    """``value`` as an inline code span it cannot close: fenced by one backtick more than its
+    longest run of backticks (CommonMark); in a table, pipes are escaped (GFM splits cells on
+    them even inside code)."""
+    text = " ".join(_CONTROL_RE.sub(" ", str(value)).split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    code = f"{fence}{pad}{text}{pad}{fence}"
+    return code.replace("|", "\\|") if in_table else code
+
+
 def _cell(value: Any, width: int = 40) -> str:
     text = "-" if value is None else str(value)
-    text = " ".join(text.split())
+    text = " ".join(_CONTROL_RE.sub(" ", text).split())
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -241,7 +289,7 @@ def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
 def format_verdict_table(verdict: Verdict) -> str:
     """A plain-text report for the terminal: status line, breaches table, infra errors, gaps."""
     s = verdict.summary
-    lines = [f"VERDICT: {verdict.status.upper()} (exit {verdict.exit_code}) - {verdict.reason}",
+    lines = [f"VERDICT: {verdict.status.upper()} (exit {verdict.exit_code}) - {terminal_text(verdict.reason)}",
              f"expectations: {s.expectations}  passed: {s.passed}  failed: {s.failed}  "
              f"not evaluated: {s.not_evaluated}  not produced: {s.not_produced}"]
     if verdict.breaches:
@@ -249,43 +297,44 @@ def format_verdict_table(verdict: Verdict) -> str:
                  _cell(b.allowed), _cell(b.source, 50)] for b in verdict.breaches]
         lines += ["", "Breaches:", _grid(["table", "column", "expectation", "observed", "allowed", "source"], rows)]
     if verdict.infra_errors:
-        lines += ["", "Infrastructure problems (not a regression):", *(f"  - {e}" for e in verdict.infra_errors)]
+        lines += ["", "Infrastructure problems (not a regression):",
+                  *(f"  - {terminal_text(e)}" for e in verdict.infra_errors)]
     if verdict.not_validated:
         na = set(verdict.not_applicable)
         lines += ["", "Not validated (table not produced):",
                   *(f"  - {t}{' (stage skipped / not applicable)' if t in na else ''}" for t in verdict.not_validated)]
     calibration = calibration_text(verdict.calibration)
     if calibration:
-        lines += ["", f"Trust: {calibration}"]
+        lines += ["", f"Trust: {terminal_text(calibration)}"]
     return "\n".join(lines)
 
 
 def _md(value: Any) -> str:
-    return _cell(value, 80).replace("|", "\\|")
+    return markdown_cell(_cell(value, 80))
 
 
 def verdict_markdown(verdict: Verdict) -> str:
     """The verdict as Markdown (a Prefect artifact / CI summary)."""
     icon = {"pass": "✅", "fail": "❌", "inconclusive": "⚠️"}[verdict.status]
     s = verdict.summary
-    out = [f"## {icon} Verdict: **{verdict.status}** (exit {verdict.exit_code})", "", verdict.reason, "",
+    out = [f"## {icon} Verdict: **{verdict.status}** (exit {verdict.exit_code})", "", markdown_text(verdict.reason), "",
            "| expectations | passed | failed | not evaluated | not produced |",
            "|---:|---:|---:|---:|---:|",
            f"| {s.expectations} | {s.passed} | {s.failed} | {s.not_evaluated} | {s.not_produced} |"]
     if verdict.breaches:
         out += ["", "### Breaches", "", "| table | column | expectation | observed | allowed | source |",
                 "|---|---|---|---|---|---|"]
-        out += [f"| {_md(b.table)} | {_md(b.column)} | `{b.expectation}` | {_md(observed_text(b.observed))} | {_md(b.allowed)} "
-                f"| {_md(b.source)} |" for b in verdict.breaches]
+        out += [f"| {_md(b.table)} | {_md(b.column)} | {markdown_code(b.expectation, in_table=True)} | "
+                f"{_md(observed_text(b.observed))} | {_md(b.allowed)} | {_md(b.source)} |" for b in verdict.breaches]
     if verdict.infra_errors:
         out += ["", "### Infrastructure problems (not a regression)", ""]
-        out += [f"- {e}" for e in verdict.infra_errors]
+        out += [f"- {markdown_text(e)}" for e in verdict.infra_errors]
     if verdict.not_validated:
         na = set(verdict.not_applicable)
         out += ["", "### Not validated", ""]
-        out += [f"- `{t}`{' (stage skipped / not applicable)' if t in na else ' (not produced)'}"
+        out += [f"- {markdown_code(t)}{' (stage skipped / not applicable)' if t in na else ' (not produced)'}"
                 for t in verdict.not_validated]
     calibration = calibration_text(verdict.calibration)
     if calibration:
-        out += ["", f"**Trust:** {calibration}"]
+        out += ["", f"**Trust:** {markdown_text(calibration)}"]
     return "\n".join(out) + "\n"

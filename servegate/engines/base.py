@@ -4,6 +4,11 @@ An engine knows how to launch its server (argument list + env), how to probe rea
 how to flush its prefix cache, how to read token capacity from its server info, which
 protocol the load generator speaks to it, and the names of its Prometheus metrics.
 Each concrete engine is one small module in this package.
+
+It also states its capabilities as class attributes (``launches``, ``can_flush``,
+``has_metrics``, ``has_occupancy_gauge``, ``reports_capacity``, ``has_logprobs``), so that a
+stage can tell "this engine cannot do that" (not applicable) from "it failed" (a breach or an
+infra error) without branching on the engine's name.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from typing import Any, ClassVar, Literal
 
 import requests
 
-from servegate.config import WorkerSpec
+from servegate.config import REDACTED, WorkerSpec
+from servegate.errors import ConfigError
 
-__all__ = ["Engine", "ServerCapacity", "Protocol"]
+__all__ = ["Engine", "ServerCapacity", "Protocol", "user_env"]
 
 Protocol = Literal["native", "openai"]
 
@@ -46,13 +52,42 @@ class Engine(abc.ABC):
     metrics_hint: ClassVar[str]
     """What to set on the server so that /metrics and its gauges exist (for error messages)."""
 
+    # ---- capabilities ------------------------------------------------------------------
+    launches: ClassVar[bool] = True
+    """True: servegate starts the server (``launch_command``); False: it attaches to ``worker.url``."""
+    can_flush: ClassVar[bool]
+    """The server has a prefix-cache flush the gate can rely on. False: none, or best effort only
+    (``flush`` may then return False: nothing was flushed)."""
+    has_metrics: ClassVar[bool]
+    """servegate knows the server's Prometheus metric names (``metric_names`` is not empty)."""
+    has_occupancy_gauge: ClassVar[bool]
+    """The server exposes a forward-occupancy gauge (``metric_names["fwd_occupancy"]``)."""
+    reports_capacity: ClassVar[bool]
+    """The server reports its token capacity / running-request cap (``server_capacity`` is finite)."""
+    has_logprobs: ClassVar[bool]
+    """The server returns prompt and output token log-probabilities (the quality stage needs them)."""
+    api_key_env_var: ClassVar[str | None] = None
+    """The environment variable the server reads its API key from; None when it only takes a
+    command-line flag (visible to every user in ``ps``)."""
+
     @abc.abstractmethod
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         """The server's command line as an argument list (never a shell string)."""
 
     def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
-        """Environment added to the worker process (on top of os.environ and spec.env)."""
-        return dict(spec.env)
+        """Environment added to the worker process (on top of os.environ): the API key where the
+        engine reads it from its environment, then ``spec.env`` (the user's env wins)."""
+        return {**self.api_key_environ(spec), **user_env(spec)}
+
+    def api_key_environ(self, spec: WorkerSpec) -> dict[str, str]:
+        """``{api_key_env_var: key}``; ``{}`` for an engine without such a variable.
+
+        Set to "" when no key is configured: a variable inherited from the gate's own environment
+        would make the server demand a key that the gate does not send.
+        """
+        if self.api_key_env_var is None:
+            return {}
+        return {self.api_key_env_var: spec.api_key_value() or ""}
 
     def is_ready(self, session: requests.Session, base_url: str, timeout_s: float) -> bool:
         """One readiness probe: ``GET readiness_path`` answers 200.
@@ -76,3 +111,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
         """Token capacity and max running requests from the server's info endpoint."""
+
+
+def user_env(spec: WorkerSpec) -> dict[str, str]:
+    """``spec.env``; ``ConfigError`` for a value that is a snapshot's placeholder (a config reloaded
+    from config.json keeps no secrets: the worker would get "<redacted>" as its token)."""
+    hidden = sorted(k for k, v in spec.env.items() if v == REDACTED)
+    if hidden:
+        raise ConfigError(f"worker.env {hidden} hold the placeholder {REDACTED!r} of a config snapshot, not values; "
+                          f"give them again: " + " ".join(f"--set worker.env.{k}=VALUE" for k in hidden))
+    return dict(spec.env)

@@ -16,6 +16,7 @@ from servegate.engines.base import Engine, Protocol, ServerCapacity
 from servegate.engines.sglang import (SGLANG_METRIC_NAMES, fetch_sglang_server_info, parse_server_info,
                                      sglang_common_flags, sglang_flush)
 from servegate.errors import StageError
+from servegate.worker.cli import API_KEY_ENV
 
 __all__ = ["EmbeddedEngine"]
 
@@ -26,6 +27,13 @@ class EmbeddedEngine(Engine):
     readiness_path: ClassVar[str] = "/health_generate"
     metric_names: ClassVar[dict[str, str]] = SGLANG_METRIC_NAMES
     metrics_hint: ClassVar[str] = "start the embedded worker with --enable-metrics (worker.enable_metrics = true)"
+    can_flush: ClassVar[bool] = True
+    has_metrics: ClassVar[bool] = True
+    has_occupancy_gauge: ClassVar[bool] = True
+    reports_capacity: ClassVar[bool] = True
+    has_logprobs: ClassVar[bool] = True
+    # The worker reads its key from this variable (servegate/worker/cli.py): never on its command line.
+    api_key_env_var: ClassVar[str | None] = API_KEY_ENV
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = spec.budget()
@@ -35,7 +43,7 @@ class EmbeddedEngine(Engine):
             cmd += ["--max-total-tokens", str(budget.max_total_tokens)]
         if budget.max_running_requests is not None:
             cmd += ["--max-running-requests", str(budget.max_running_requests)]
-        return cmd + sglang_common_flags(spec)
+        return cmd + sglang_common_flags(spec, api_key_flag=False)
 
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,
               request_timeout_s: float | None = None) -> bool:

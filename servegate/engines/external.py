@@ -34,6 +34,13 @@ class ExternalEngine(Engine):
         "servegate does not know an external server's metric names; if it is SGLang or vLLM, "
         "use engine 'sglang' or 'vllm' with its URL, or disable the occupancy stage"
     )
+    launches: ClassVar[bool] = False  # attaches to worker.url
+    can_flush: ClassVar[bool] = False  # best effort: POST /flush_cache where the server has it
+    has_metrics: ClassVar[bool] = False  # its metric names are unknown
+    has_occupancy_gauge: ClassVar[bool] = False
+    reports_capacity: ClassVar[bool] = False  # best effort: SGLang-style server info where present
+    # Prompt log-probabilities (`echo` with `logprobs`) are not served by every OpenAI-compatible server.
+    has_logprobs: ClassVar[bool] = False
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         raise ConfigError("engine 'external' launches nothing: it attaches to worker.url; "

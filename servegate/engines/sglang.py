@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import requests
 
 from servegate.config import WorkerSpec
-from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError, StageError
 from servegate.http import body_excerpt, join_url, json_body, unreachable_as_error
 
@@ -120,16 +120,21 @@ def sglang_flush(session: requests.Session, base_url: str, timeout_s: float,
     )
 
 
-def sglang_common_flags(spec: WorkerSpec) -> list[str]:
-    """The flags SGLang and the embedded worker spell alike, then the user's extra args (last)."""
+def sglang_common_flags(spec: WorkerSpec, *, api_key_flag: bool) -> list[str]:
+    """The flags SGLang and the embedded worker spell alike, then the user's extra args (last).
+
+    ``api_key_flag``: pass the API key as ``--api-key`` (only for a server that reads it from
+    nowhere else: the command line is visible to every user of the machine).
+    """
     flags: list[str] = []
     if spec.enable_metrics:
         flags += ["--enable-metrics"]
     if spec.speculative_num_draft_tokens is not None:
         flags += ["--speculative-algorithm", "NGRAM",
                   "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
-    if spec.api_key:
-        flags += ["--api-key", spec.api_key]
+    key = spec.api_key_value() if api_key_flag else None
+    if key:
+        flags += ["--api-key", key]
     return flags + list(spec.extra_args)
 
 
@@ -141,6 +146,16 @@ class SGLangEngine(Engine):
     metrics_hint: ClassVar[str] = (
         "start the server with --enable-metrics and env SGLANG_ENABLE_METRICS_DEVICE_TIMER=1"
     )
+    can_flush: ClassVar[bool] = True
+    has_metrics: ClassVar[bool] = True
+    has_occupancy_gauge: ClassVar[bool] = True
+    reports_capacity: ClassVar[bool] = True
+    has_logprobs: ClassVar[bool] = True
+    # SGLang reads its API key only from --api-key (ServerArgs.api_key; no environment variable in
+    # sglang/srt/server_args.py), so the key stays on its command line, visible in `ps`. Its
+    # `--config FILE` (YAML holding `api-key`) would keep it out, given a 0600 file that launch
+    # creates and removes; until then, attach to a server started with the key (engine external).
+    api_key_env_var: ClassVar[str | None] = None
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = spec.budget()
@@ -156,14 +171,14 @@ class SGLangEngine(Engine):
             cmd += ["--max-running-requests", str(budget.max_running_requests)]
         if budget.cuda_graph_max_bs is not None:
             cmd += ["--cuda-graph-max-bs", str(budget.cuda_graph_max_bs)]
-        return cmd + sglang_common_flags(spec)
+        return cmd + sglang_common_flags(spec, api_key_flag=True)
 
     def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
         env: dict[str, str] = {}
         if spec.enable_metrics:
             # sglang:fwd_occupancy is only measured with the device timer on.
             env["SGLANG_ENABLE_METRICS_DEVICE_TIMER"] = "1"
-        env.update(spec.env)  # the user's env wins
+        env.update(user_env(spec))  # the user's env wins
         return env
 
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,

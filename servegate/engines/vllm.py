@@ -18,7 +18,7 @@ import requests
 
 from servegate.config import WorkerSpec
 from servegate.engine_install import resolve_engine_python
-from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError
 from servegate.http import body_excerpt, join_url, unreachable_as_error
 from servegate.worker.model import MODEL_ALIASES, ensure_model
@@ -63,6 +63,13 @@ class VLLMEngine(Engine):
         "vLLM serves /metrics by default; check that the URL is the API server's and that it is a "
         "recent vLLM (vllm:kv_cache_usage_perc, vllm:num_requests_running); vLLM has no fwd_occupancy gauge"
     )
+    can_flush: ClassVar[bool] = True  # /reset_prefix_cache: launch_env sets VLLM_SERVER_DEV_MODE=1
+    has_metrics: ClassVar[bool] = True
+    has_occupancy_gauge: ClassVar[bool] = False
+    reports_capacity: ClassVar[bool] = False  # no KV token capacity over HTTP
+    has_logprobs: ClassVar[bool] = True
+    # vLLM's API server takes `--api-key` or, when that is not given, $VLLM_API_KEY.
+    api_key_env_var: ClassVar[str | None] = "VLLM_API_KEY"
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = spec.budget()
@@ -83,8 +90,6 @@ class VLLMEngine(Engine):
         if spec.speculative_num_draft_tokens is not None:
             cmd += ["--speculative-config", json.dumps(
                 {"method": "ngram", "num_speculative_tokens": spec.speculative_num_draft_tokens})]
-        if spec.api_key:
-            cmd += ["--api-key", spec.api_key]
         return cmd + list(spec.extra_args)
 
     def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
@@ -93,7 +98,8 @@ class VLLMEngine(Engine):
         budget = spec.budget()
         if budget.cpu_kvcache_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(budget.cpu_kvcache_space_gib)
-        env.update(spec.env)
+        env.update(self.api_key_environ(spec))  # the key by environment, not on the command line
+        env.update(user_env(spec))
         return env
 
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,

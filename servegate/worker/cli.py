@@ -8,6 +8,10 @@ budget *before* anything binds a port (a budget too small for one full-length re
 is a ``ConfigError`` and a non-zero exit); then the HTTP server starts and answers
 ``/health`` with 503 while the model loads in a background thread, and 200 once the
 engine runs.
+
+The API key comes from ``$SERVEGATE_API_KEY`` (how servegate launches the worker: a command
+line is visible to every user in ``ps``, a process's environment only to its owner) or, for
+manual use, ``--api-key``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any
 from servegate.errors import ConfigError, ServegateError
 from servegate.worker.faults import add_fault_arguments, faults_from_args
 
-__all__ = ["add_arguments", "run", "main", "DEFAULT_MEM_FRACTION_STATIC", "DEFAULT_MAX_RUNNING_REQUESTS"]
+__all__ = ["add_arguments", "run", "main", "DEFAULT_MEM_FRACTION_STATIC", "DEFAULT_MAX_RUNNING_REQUESTS",
+           "API_KEY_ENV"]
 
 log = logging.getLogger("servegate.worker")
 
@@ -32,6 +37,8 @@ DEFAULT_MEM_FRACTION_STATIC = 0.4
 """Share of available RAM (weights + KV) when neither budget flag is given."""
 DEFAULT_MAX_RUNNING_REQUESTS = 32
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+API_KEY_ENV = "SERVEGATE_API_KEY"
+"""The worker's API key by environment (how servegate launches it); ``--api-key`` wins when given."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-algorithm", choices=["NGRAM"], default=None,
                         help="NGRAM speculative decoding (requests are then served one at a time)")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="K")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health*, /metrics)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' (not on /health*, /metrics); the command line is "
+                             f"visible to every user, so prefer the environment variable {API_KEY_ENV}")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all CPUs but one, left to the HTTP loop and the client)")
     parser.add_argument("--random-seed", type=int, default=0, help="seed of the sampler")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -95,6 +104,13 @@ def _server_args(args: argparse.Namespace, model_path: Path, context_length: int
     return keep
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$SERVEGATE_API_KEY`` (removed from the environment once read, so that
+    nothing the worker starts inherits it); None (no key required) when both are empty."""
+    from_env = os.environ.pop(API_KEY_ENV, "")
+    return args.api_key or from_env or None
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code. Raises ``ConfigError`` for a bad budget."""
     import psutil
@@ -109,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.api_key = _api_key(args)
     faults = faults_from_args(args)
     if faults.active():
         log.warning("fault injection active: %s", faults.active())

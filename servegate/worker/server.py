@@ -12,6 +12,7 @@ tokens, so a streaming response sends whatever arrived since its last chunk.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from servegate.worker.engine import Engine, Request, SamplingParams
 from servegate.worker.faults import FaultConfig
 from servegate.worker.metrics import CONTENT_TYPE, WorkerMetrics
 
-__all__ = ["WorkerState", "build_app"]
+__all__ = ["WorkerState", "build_app", "authorized"]
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,30 @@ class _Waiter:
         self.event.clear()
 
 
+def authorized(header: str | None, expected: bytes) -> bool:
+    """The ``Authorization`` header equals ``expected`` (``b"Bearer KEY"``), compared in constant
+    time: an early-exit ``!=`` tells a client, by timing, how many leading bytes of its guess match.
+
+    Starlette decodes header bytes as latin-1; encoding back gives the bytes the client sent, so a
+    non-ASCII header is compared (and refused) like any other instead of raising.
+    """
+    return hmac.compare_digest((header or "").encode("latin-1"), expected)
+
+
 def build_app(state: WorkerState) -> FastAPI:
     """The FastAPI application over one ``WorkerState``."""
     app = FastAPI(title="servegate embedded worker", docs_url=None, redoc_url=None, openapi_url=None)
 
     if state.api_key:
+        expected = f"Bearer {state.api_key}".encode()
+
         @app.middleware("http")
         async def _check_api_key(request: HttpRequest, call_next: Any) -> Any:
             # As SGLang: health probes and metrics stay open; everything else needs the key.
             path = request.url.path
             if request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
                 return await call_next(request)
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
+            if not authorized(request.headers.get("authorization"), expected):
                 return _json({"error": "Unauthorized"}, 401)
             return await call_next(request)
 

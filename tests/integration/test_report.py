@@ -4,6 +4,7 @@ rendered by a real headless Chromium when one is installed (apt-get install -y c
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from test_store import KEY, T0, run_inputs, synthetic_tables
 
 from servegate.compare import GATED_METRICS, compare_run
-from servegate.report import PLOT_NAMES, write_junit, write_markdown_summary, write_report
+from servegate.report import PLOT_NAMES, render_report, write_junit, write_markdown_summary, write_report
 from servegate.store import GateKey, Store
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -194,5 +195,72 @@ def test_markdown_summary(history, tmp_path: Path) -> None:
                                   report_path="report.html", path=tmp_path / "summary.md")
     assert (tmp_path / "summary.md").read_text() == text
     assert text.startswith("## servegate: **fail** — `smoke/embedded/cpu/smollm2-135m`")
-    assert "[HTML report](report.html)" in text and "### Breaches" in text
+    assert "[HTML report](<report.html>)" in text and "### Breaches" in text
     assert "| serving.itl_ms.median |  |" in text and "**regression**" in text
+
+
+# ---- untrusted text in the outputs (issue 11, finding 15b) ----------------------------------
+HOSTILE = ("<script>alert(1)</script><img src=x onerror=alert(2)> | `cmd` [x](http://evil.example)"
+           "\nsecond line")
+
+
+def _hostile_verdict() -> dict:
+    breach = {"table": "serving_summary", "expectation": "expect_column_values_to_be_between",
+              "column": "failed", "observed": HOSTILE, "allowed": "<= 0", "source": HOSTILE}
+    return {"status": "inconclusive", "reason": HOSTILE, "breaches": [breach], "infra_errors": [HOSTILE]}
+
+
+def test_summary_md_renders_server_text_as_text(tmp_path: Path) -> None:
+    """A server's error body went into summary.md as raw HTML (a CI page or Prefect renders it)."""
+    text = write_markdown_summary(_hostile_verdict(), key="smoke/x`y|z", run_id="r`1",
+                                  report_path=tmp_path / "a dir (1)" / "report.html", path=tmp_path / "summary.md")
+    assert "<script" not in text and "<img" not in text
+    assert "&lt;script>alert(1)&lt;/script>&lt;img src=x onerror=alert(2)>" in text
+    assert "[x](http" not in text and "\\[x\\](http://evil.example)" in text  # no link
+    breach_row = next(line for line in text.splitlines() if line.startswith("| serving_summary"))
+    assert len(re.findall(r"(?<!\\)\|", breach_row)) == 7  # six cells: the pipe in the text is escaped
+    assert "\\`cmd\\`" in breach_row  # no code span
+    infra = text.split("### Infrastructure errors (could not decide)\n", 1)[1].splitlines()[0]
+    assert infra.startswith("- &lt;script>") and infra.endswith("second line")  # one list item
+    assert "— ``smoke/x`y|z``" in text and "Run ``r`1``" in text  # code spans the value cannot close
+    assert f"[HTML report](<{tmp_path / 'a dir (1)' / 'report.html'}>)" in text
+
+
+def test_summary_md_rendered_by_a_markdown_engine_shows_the_text_and_no_tag(tmp_path: Path) -> None:
+    """Rendered as a CI page renders it (CommonMark + GFM tables, raw HTML allowed)."""
+    markdown_it = pytest.importorskip("markdown_it")
+    text = write_markdown_summary(_hostile_verdict(), key="k", run_id="r")
+    rendered = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(text)
+
+    class Tags(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags: list[str] = []
+            self.cells: list[int] = []
+            self.text: list[str] = []
+
+        def handle_starttag(self, tag: str, attrs: list) -> None:
+            self.tags.append(tag)
+            if tag == "tr":
+                self.cells.append(0)
+            elif tag == "td":
+                self.cells[-1] += 1
+
+        def handle_data(self, data: str) -> None:
+            self.text.append(data)
+
+    tags = Tags()
+    tags.feed(rendered)
+    assert not {"script", "img", "a"} & set(tags.tags), sorted(set(tags.tags))
+    assert tags.tags.count("code") == 2  # the key and the run id, none from the server's text
+    assert tags.cells[1] == 6  # the breach row: six cells
+    assert "<script>alert(1)</script><img src=x onerror=alert(2)> | `cmd` [x](http://evil.example)" in "".join(tags.text)
+
+
+def test_report_html_escapes_server_text(tmp_path: Path) -> None:
+    html_text = render_report(run_id="r<1>", key="smoke/<b>x</b>", verdict=_hostile_verdict(), tables={})
+    parser = _Plots()
+    parser.feed(html_text)
+    assert parser.scripts == 0 and parser.external == []
+    assert "<img" not in html_text and "<b>x</b>" not in html_text
+    assert html_text.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 3  # breach observed, source, infra error

@@ -1,9 +1,11 @@
 import math
+import os
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-from servegate.config import MEMORY_PROFILES, GateConfig, available_profiles, load_config
+from servegate.config import MEMORY_PROFILES, PROFILES_DIR, GateConfig, available_profiles, load_config
 from servegate.errors import ConfigError
 
 
@@ -58,3 +60,69 @@ def test_external_needs_url_and_memory_overlay():
     budget = cfg.worker.budget()
     assert budget.max_total_tokens == 999
     assert budget.max_running_requests == MEMORY_PROFILES["cpu-small"].max_running_requests
+
+
+# ---- profile names (issue 11, finding 15a) --------------------------------------------------
+def test_profile_is_a_shipped_name_not_a_path(tmp_path: Path):
+    """`--profile ../../x` read a TOML from outside the profiles folder (PROFILES_DIR / "<name>.toml")."""
+    outside = tmp_path / "evil.toml"
+    outside.write_text('name = "evil"\n')
+    for name in (os.path.relpath(tmp_path / "evil", PROFILES_DIR), str(tmp_path / "evil")):
+        with pytest.raises(ConfigError) as err:
+            load_config(profile=name)
+        assert f"unknown profile {name!r}" in str(err.value)
+        assert str(available_profiles()) in str(err.value)  # the valid choices are listed
+
+
+@pytest.mark.parametrize("name", ["../smoke", "../../expectations/smoke", "/etc/passwd", "a/b", ".."])
+def test_expectation_profile_is_a_plain_name(name: str):
+    with pytest.raises(ConfigError) as err:
+        load_config(profile="smoke", overrides=[f"validate.expectation_profile={name}"])
+    assert "validate.expectation_profile" in str(err.value) and "expectations_dir" in str(err.value)
+
+
+# ---- durations (issue 11, finding 10) --------------------------------------------------------
+DURATIONS = {
+    "worker.ready_timeout_s": "seconds", "warmup.request_timeout_s": "seconds", "flush.timeout_s": "seconds",
+    "flush.request_timeout_s": "seconds", "one_batch.request_timeout_s": "seconds",
+    "serving.request_timeout_s": "seconds", "serving.slo_ttft_ms": "milliseconds",
+    "serving.slo_tpot_ms": "milliseconds", "serving.slo_e2e_ms": "milliseconds",
+    "serving.max_dispatch_lag_p99_ms": "milliseconds", "occupancy.scrape_interval_s": "seconds",
+    "occupancy.request_timeout_s": "seconds", "quality.request_timeout_s": "seconds", "compare.days": "days",
+}
+
+
+def _duration_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    found = []
+    for name, field in model.model_fields.items():
+        path = prefix + (field.alias or name)
+        sub = field.annotation if isinstance(field.annotation, type) else None
+        if sub is not None and issubclass(sub, BaseModel):
+            found += _duration_fields(sub, path + ".")
+        elif name.endswith(("_s", "_ms")) or name in ("days",):
+            found.append(path)
+    return found
+
+
+def test_every_duration_field_is_checked():
+    """A new timeout must be a Seconds/Milliseconds/Days field, listed here and so tested below."""
+    assert sorted(_duration_fields(GateConfig)) == sorted(DURATIONS)
+
+
+@pytest.mark.parametrize("field", sorted(DURATIONS))
+@pytest.mark.parametrize("bad,shown", [("0", "0"), ("-5", "-5"), ("inf", "inf"), ("nan", "nan"), ("true", "True")])
+def test_every_duration_rejects_zero_negative_nan_inf(field: str, bad: str, shown: str):
+    with pytest.raises(ConfigError) as err:
+        load_config(profile="smoke", overrides=[f"{field}={bad}"])
+    text = str(err.value)
+    assert f"{field} = {shown}" in text, text  # the field and the value
+    allowed = f"finite number > 0 ({DURATIONS[field]})" if bad != "true" else "must be a number"
+    assert allowed in text, text  # what is allowed
+
+
+def test_durations_accept_finite_positive_values_and_none_where_optional():
+    cfg = load_config(profile="smoke", overrides=[f"{f}=0.5" for f in DURATIONS])
+    assert cfg.flush.request_timeout_s == 0.5 and cfg.compare.days == 0.5 and cfg.serving.slo_e2e_ms == 0.5
+    cfg = load_config(profile="smoke", overrides=["flush.request_timeout_s=null", "serving.slo_ttft_ms=null",
+                                                  "compare.days=null"])
+    assert (cfg.flush.request_timeout_s, cfg.serving.slo_ttft_ms, cfg.compare.days) == (None, None, None)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from servegate.config import MEMORY_PROFILES, MemoryBudget, WorkerSpec
+from servegate.config import MEMORY_PROFILES, REDACTED, MemoryBudget, WorkerSpec
 from servegate.engines import (EmbeddedEngine, ExternalEngine, SGLangEngine, VLLMEngine, get_engine)
 from servegate.engines.sglang import parse_server_info
 from servegate.errors import ConfigError
@@ -87,7 +87,8 @@ def test_vllm_command_per_profile(profile: str) -> None:
     assert VLLMEngine().launch_command(spec, 8000) == [
         "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8000", *VLLM_BUDGET_ARGS[profile]]
     env = VLLMEngine().launch_env(spec)
-    expected_env = {"VLLM_SERVER_DEV_MODE": "1"}
+    # VLLM_API_KEY "" when no key is set: one inherited from the gate's environment is not used.
+    expected_env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": ""}
     if profile == "vllm-cpu":
         expected_env["VLLM_CPU_KVCACHE_SPACE"] = "2"
     assert env == expected_env
@@ -96,11 +97,13 @@ def test_vllm_command_per_profile(profile: str) -> None:
 def test_vllm_command_with_python_and_options() -> None:
     spec = WorkerSpec(engine="vllm", model=MODEL, memory_profile="ci-gpu", python="/venvs/vllm/bin/python",
                       speculative_num_draft_tokens=3, api_key="k", extra_args=["--enforce-eager"])
+    # The key goes by environment ($VLLM_API_KEY), never on the command line (visible in `ps`).
     assert VLLMEngine().launch_command(spec, 8000) == [
         "/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
         "--host", "127.0.0.1", "--port", "8000", "--gpu-memory-utilization", "0.6", "--max-model-len", "4096",
         "--max-num-seqs", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-        "--api-key", "k", "--enforce-eager"]
+        "--enforce-eager"]
+    assert VLLMEngine().launch_env(spec) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "k"}
 
 
 def test_embedded_command() -> None:
@@ -109,9 +112,41 @@ def test_embedded_command() -> None:
     assert EmbeddedEngine().launch_command(spec, 30001) == [
         sys.executable, "-m", "servegate", "worker", "--model", "tiny-random", "--host", "127.0.0.1",
         "--port", "30001", "--max-total-tokens", "16384", "--max-running-requests", "16", "--enable-metrics",
-        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", "--api-key", "secret",
-        "--dtype", "float32"]
-    assert EmbeddedEngine().launch_env(spec) == {}
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", "--dtype", "float32"]
+    assert EmbeddedEngine().launch_env(spec) == {"SERVEGATE_API_KEY": "secret"}
+    assert EmbeddedEngine().launch_env(WorkerSpec(engine="embedded")) == {"SERVEGATE_API_KEY": ""}
+
+
+@pytest.mark.parametrize("engine", [EmbeddedEngine(), VLLMEngine()])
+def test_api_key_env_reaches_the_engine_by_environment_only(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATE_KEY", "from-env")
+    spec = WorkerSpec(engine=engine.name, model=MODEL, memory_profile="ci-gpu", api_key_env="GATE_KEY")
+    assert "from-env" not in engine.launch_command(spec, 8000)
+    assert engine.launch_env(spec)[engine.api_key_env_var] == "from-env"
+    monkeypatch.delenv("GATE_KEY")
+    with pytest.raises(ConfigError, match=r"\$GATE_KEY, which is not set"):
+        engine.launch_env(spec)  # resolved at launch: a missing variable stops the launch
+
+
+def test_sglang_takes_the_key_only_as_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang reads no environment variable for its key (ServerArgs.api_key is a flag only)."""
+    monkeypatch.setenv("GATE_KEY", "from-env")
+    spec = WorkerSpec(engine="sglang", model=MODEL, memory_profile="h100", api_key_env="GATE_KEY")
+    assert SGLangEngine().launch_command(spec, 30000)[-2:] == ["--api-key", "from-env"]
+    assert SGLangEngine.api_key_env_var is None
+    assert SGLangEngine().launch_env(spec) == {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
+
+
+@pytest.mark.parametrize("engine", [EmbeddedEngine(), SGLangEngine(), VLLMEngine()])
+def test_a_snapshot_placeholder_is_never_launched(engine) -> None:
+    """A config reloaded from config.json holds "<redacted>" where its secrets were."""
+    spec = WorkerSpec(engine=engine.name, model=MODEL, api_key=REDACTED)
+    with pytest.raises(ConfigError, match="--set worker.api_key=KEY"):
+        engine.launch_command(spec, 1)  # the flag (SGLang) ...
+        engine.launch_env(spec)  # ... or the environment (vLLM, embedded)
+    spec = WorkerSpec(engine=engine.name, model=MODEL, env={"HF_TOKEN": REDACTED, "A": "1"})
+    with pytest.raises(ConfigError, match="--set worker.env.HF_TOKEN=VALUE"):
+        engine.launch_env(spec)
 
 
 def test_external_launches_nothing() -> None:
@@ -131,6 +166,23 @@ def test_engine_protocols_and_metric_names() -> None:
     assert VLLMEngine.metric_names["num_running_reqs"] == "vllm:num_requests_running"
     assert VLLMEngine.metric_names["num_queue_reqs"] == "vllm:num_requests_waiting"
     assert "SGLANG_ENABLE_METRICS_DEVICE_TIMER=1" in SGLangEngine.metrics_hint
+
+
+CAPABILITIES = ("launches", "can_flush", "has_metrics", "has_occupancy_gauge", "reports_capacity", "has_logprobs")
+
+
+@pytest.mark.parametrize("cls,expected", [
+    (SGLangEngine, (True, True, True, True, True, True)),
+    (EmbeddedEngine, (True, True, True, True, True, True)),
+    # vLLM: no fwd_occupancy gauge, no token capacity over HTTP.
+    (VLLMEngine, (True, True, True, False, False, True)),
+    # external: attaches; flush, server info best effort; metric names unknown; echo logprobs not guaranteed.
+    (ExternalEngine, (False, False, False, False, False, False)),
+])
+def test_engine_capabilities(cls: type, expected: tuple[bool, ...]) -> None:
+    assert tuple(getattr(cls, name) for name in CAPABILITIES) == expected
+    assert cls.has_metrics == bool(cls.metric_names)
+    assert cls.has_occupancy_gauge == ("fwd_occupancy" in cls.metric_names)
 
 
 def _state(token_capacity: int | None, per_dp: int | None = 128) -> dict:

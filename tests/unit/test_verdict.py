@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -93,8 +94,32 @@ def test_renderings_and_json_roundtrip():
     assert "occupancy_summary (stage skipped / not applicable)" in text
     md = verdict_markdown(v)
     assert "Verdict: **inconclusive**" in md and "- flush | busy" in md
-    assert ("| serving_summary | failed | `expect_column_values_to_be_between` | 1 of 3 rows: ['failed'] | <= 0 |"
+    assert ("| serving_summary | failed | `expect_column_values_to_be_between` | 1 of 3 rows: \\['failed'\\] | <= 0 |"
             in md)
     assert "1 of 3 rows: ['failed']" in text
     again = Verdict.model_validate(json.loads(v.model_dump_json()))
     assert again == v and again.exit_code == 2
+
+
+HOSTILE = "<img src=x onerror=alert(1)> | `rm -rf` [click](http://evil.example) **bold**\n\x1b[31mred"
+
+
+def test_markdown_escapes_server_text():
+    """A server's error text reaches the verdict's infra errors and breaches; in the Prefect
+    artifact it must render as that text, not as HTML, a link, a code span or an extra column."""
+    v = decide([outcome(success=False, observed=HOSTILE, allowed="<= 0 | x", source=HOSTILE)], [HOSTILE])
+    md = verdict_markdown(v)
+    assert "<img" not in md and "&lt;img src=x onerror=alert(1)>" in md
+    assert "[click](" not in md and "\\[click\\](http://evil.example)" in md
+    assert "`rm" not in md.replace("\\`rm", "") and "\\*\\*bold\\*\\*" in md
+    assert "\x1b" not in md
+    infra = next(line for line in md.splitlines() if line.startswith("- "))
+    assert infra.startswith("- &lt;img") and "red" in infra  # one list item: the line break is gone
+    row = next(line for line in md.splitlines() if line.startswith("| serving_summary"))
+    assert len(re.findall(r"(?<!\\)\|", row)) == 7  # six cells: the pipes in the text are escaped
+
+
+def test_terminal_table_drops_escape_sequences():
+    v = decide([outcome(success=False, observed=HOSTILE)], [HOSTILE])
+    text = format_verdict_table(v)
+    assert "\x1b" not in text and "red" in text

@@ -292,3 +292,54 @@ def test_fwd_occupancy_is_a_percentage_during_decode(url: str) -> None:
     assert finite, f"no finite fwd_occupancy sample in {len(values)} scrapes"
     assert all(0 < v <= 100 for v in finite)
     assert math.isnan(metric_value(url, "sglang:fwd_occupancy"))  # idle: the window restarted
+
+
+# ---- the API key (issue 11, findings 13 and 15c) ---------------------------------------------
+KEY = "sékrit-ключ-0123"  # non-ASCII on purpose: the header arrives as latin-1 text
+
+
+def test_api_key_by_environment_stays_off_the_command_line(start_worker) -> None:
+    import psutil
+
+    worker = start_worker([], env={"SERVEGATE_API_KEY": KEY})
+    body = {"text": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 2}}
+    bearer = f"Bearer {KEY}".encode()
+    assert generate(worker.url, body).status_code == 401
+    assert generate(worker.url, body, headers={"Authorization": b"Bearer wrong"}).status_code == 401
+    assert generate(worker.url, body, headers={"Authorization": bearer + b"x"}).status_code == 401
+    assert generate(worker.url, body, headers={"Authorization": "Bearer \xff\xfe".encode("latin-1")}).status_code == 401
+    assert generate(worker.url, body, headers={"Authorization": bearer}).status_code == 200
+    assert requests.get(worker.url + "/health", timeout=10).status_code == 200  # probes stay open
+    cmdline = " ".join(psutil.Process(worker.proc.pid).cmdline())
+    assert KEY not in cmdline and "--api-key" not in cmdline  # `ps` shows no key
+    info = requests.get(worker.url + "/server_info", headers={"Authorization": bearer}, timeout=10).json()
+    assert info["api_key"] == "<set>" and KEY not in json.dumps(info, ensure_ascii=False)
+
+
+def test_key_check_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The middleware decides through hmac.compare_digest (an early-exit != leaks, by timing, how
+    much of a guess matches); the app runs in-process so that the call can be observed."""
+    import hmac
+
+    from fastapi.testclient import TestClient
+
+    from servegate.worker.faults import FaultConfig
+    from servegate.worker.metrics import WorkerMetrics
+    from servegate.worker.server import WorkerState, build_app
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def recording(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", recording)
+    state = WorkerState(model_name="m", server_args={}, metrics=WorkerMetrics("m", enabled=False),
+                        faults=FaultConfig(), token_capacity=64, max_running_requests=1, context_length=64,
+                        weight_bytes=0, kv_bytes_per_token=1, version="t", api_key="k3y")
+    with TestClient(build_app(state)) as client:
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k3x"}).status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).status_code != 401
+        assert client.get("/v1/models").status_code == 401
+    assert compared == [(b"Bearer k3x", b"Bearer k3y"), (b"Bearer k3y", b"Bearer k3y"), (b"", b"Bearer k3y")]
