@@ -103,7 +103,8 @@ def resolve_config(config: GateConfig | None, profile: str | None, overrides: li
         if profile is not None:
             raise ConfigError("give the gate flow either config or profile, not both")
         if overrides:
-            data = apply_overrides(config.model_dump(mode="json", by_alias=True), list(overrides))
+            # Python mode keeps secrets (the JSON form redacts them).
+            data = apply_overrides(config.model_dump(by_alias=True), list(overrides))
             return GateConfig.model_validate(data)
         return config
     return load_config(profile=profile or "smoke", overrides=list(overrides or []))
@@ -171,7 +172,7 @@ class GateRun:
 
     @property
     def api_key(self) -> str | None:
-        return self.config.worker.api_key
+        return self.config.worker.api_key_value()
 
     # -- stage bookkeeping ----------------------------------------------------------------
     def stage_enabled(self, stage: str) -> bool:

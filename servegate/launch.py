@@ -270,7 +270,7 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     if isinstance(timeout_s, bool) or math.isnan(timeout_s) or math.isinf(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"ready_timeout_s must be a finite number > 0 (seconds), got {timeout_s!r}")
     engine = engine or get_engine(spec.engine)
-    session = make_session(spec.api_key)
+    session = make_session(spec.api_key_value())
     log_path = Path(log_path)
 
     if engine.name == "external":

@@ -123,8 +123,9 @@ def _attempt_config(folder: RunFolder, overrides: list[str]) -> GateConfig:
     data = apply_overrides(data, list(overrides))
     worker = data.get("worker") or {}
     # Run folders keep no secrets; the attempt needs them back from the caller.
-    if worker.get("api_key") == REDACTED:
-        raise ConfigError("the run's worker.api_key is not kept in its folder; pass it: --set worker.api_key=KEY")
+    if worker.get("api_key") == REDACTED and not worker.get("api_key_env"):
+        raise ConfigError("the run's worker.api_key is not kept in its folder; name the environment variable that "
+                          "holds it: --set worker.api_key_env=NAME (or --set worker.api_key=KEY, which `ps` shows)")
     hidden = [k for k, v in (worker.get("env") or {}).items() if v == REDACTED]
     if hidden:
         raise ConfigError(f"the run's worker.env values {hidden} are not kept in its folder; pass them: "

@@ -77,6 +77,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from servegate.config import redact_url
 from servegate.errors import ConfigError, InfraError
 
 __all__ = [
@@ -455,7 +456,7 @@ class Store:
         try:
             self._engine = _create_engine(self._url, **kwargs)
         except (ArgumentError, ImportError) as exc:
-            raise ConfigError(f"cannot open history database {self._url!r}: {exc}; give a SQLAlchemy URL such as "
+            raise ConfigError(f"cannot open history database {redact_url(self._url)!r}: {exc}; give a SQLAlchemy URL such as "
                               f"sqlite:////path/history.db or postgresql+psycopg://user@host/db (driver installed)") \
                 from exc
 
@@ -479,7 +480,7 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Store({self._url!r})"
+        return f"Store({redact_url(self._url)!r})"
 
     def _db_error(self, exc: SQLAlchemyError, doing: str) -> InfraError:
         code = getattr(getattr(exc, "orig", None), "sqlite_errorname", "")
@@ -491,7 +492,7 @@ class Store:
                     "history file; if it does, restore it from a backup, or move it aside to start a new history")
         else:
             hint = "check that the database is reachable and writable, then retry"
-        return InfraError(f"history database {self._url} failed while {doing}: {exc.__class__.__name__}: "
+        return InfraError(f"history database {redact_url(self._url)} failed while {doing}: {exc.__class__.__name__}: "
                           f"{str(exc).splitlines()[0]}; {hint}")
 
     @contextmanager
@@ -557,7 +558,7 @@ class Store:
         """The migrations still to apply; a database written by a newer servegate is refused."""
         newest = max(applied, default=0)
         if newest > SCHEMA_VERSION:
-            raise InfraError(f"history database {self._url} has schema version {newest}, newer than this servegate "
+            raise InfraError(f"history database {redact_url(self._url)} has schema version {newest}, newer than this servegate "
                              f"understands ({SCHEMA_VERSION}); upgrade servegate to read it")
         return [m for m in MIGRATIONS if m[0] not in applied]
 
@@ -731,7 +732,7 @@ class Store:
     def get_run(self, run_id: str) -> RunRecord:
         found = self._records(runs.c.run_id == run_id)
         if not found:
-            raise ConfigError(f"run {run_id!r} is not in the history database {self._url}; "
+            raise ConfigError(f"run {run_id!r} is not in the history database {redact_url(self._url)}; "
                               f"list recorded runs with `servegate status`")
         return found[0]
 

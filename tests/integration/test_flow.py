@@ -34,7 +34,15 @@ TINY = [
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """This process's descendants, less its guardian (servegate.proctree), which lives as long as it does."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "servegate.proctree" not in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 async def _artifact_keys(flow_run_id) -> set[str]:

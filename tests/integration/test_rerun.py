@@ -88,7 +88,7 @@ def test_secrets_are_not_in_the_folder_and_must_be_given_back(tmp_path: Path):
     with pytest.raises(ConfigError, match="--set worker.api_key=KEY"):
         plan_rerun(run.path, ["serving"], rerunnable=STAGES)
     plan = plan_rerun(run.path, ["serving"], ["worker.api_key=s3cret"], rerunnable=STAGES)
-    assert plan.config.worker.api_key == "s3cret"
+    assert plan.config.worker.api_key_value() == "s3cret"
 
 
 def test_run_is_found_by_folder_or_recorded_id(tmp_path: Path):
