@@ -462,6 +462,11 @@ def _read_file(path: Path) -> dict[str, Any]:
             return data
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a UTF-8 text file ({exc.reason} at byte {exc.start}); pass a TOML or YAML "
+                          f"gate config") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
     raise ConfigError(f"{path}: unsupported config format {path.suffix!r}; use .toml, .yaml or .yml")
 
 

@@ -149,7 +149,11 @@ class GateRun:
         held = hold_device_slot()  # before the folder: started_at is when the device became ours
         try:
             folder = RunFolder.create(Path(config.output_dir), config.name)
-            folder.write_config(config)
+            try:
+                folder.write_config(config)
+            except BaseException:
+                folder.discard()
+                raise
             run = cls(config, folder)
         except BaseException:
             held.close()

@@ -325,8 +325,17 @@ class RunFolder:
         manifest = RunManifest(run_id=run_id, gate=gate_name, host=collect_host_info(), started_at=started,
                                git_revision=rev, git_dirty=dirty, git_branch=git_branch() if rev else None)
         folder = cls(path, manifest)
-        folder.write_manifest()
+        try:
+            folder.write_manifest()
+        except BaseException:
+            folder.discard()
+            raise
         return folder
+
+    def discard(self) -> None:
+        """Remove the folder of a run that never began (its manifest or config could not be written,
+        e.g. a full disk): a half-made run folder would look like a run that measured nothing."""
+        shutil.rmtree(self._path, ignore_errors=True)
 
     @classmethod
     def open(cls, path: str | Path) -> "RunFolder":

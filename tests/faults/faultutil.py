@@ -1,0 +1,158 @@
+"""The gate under faults: run `servegate run` as a user does, hurt it, and check what it leaves.
+
+Every scenario ends with the same four checks (docs/faults.md has the table):
+
+- the exit code the README promises (2 for anything that could not decide, never 0 or 1);
+- a one-line reason on stderr;
+- no surviving process: everything the gate started inherits this scenario's ``SERVEGATE_DB``,
+  which marks it (workers, Prefect's temporary API server, the guardian);
+- the history database intact, with the run either recorded whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The tiny random-weight model with every forward pass delayed, so that each stage lasts long
+# enough (seconds) to be hit in the middle; quality needs a real model, so it is off.
+SLOW_TINY = [
+    "--set", "worker.model=tiny-random",
+    "--set", 'worker.extra_args=["--fault-decode-delay-ms","40"]',
+    "--set", "warmup.max_new_tokens=4",
+    "--set", "one_batch.batch_sizes=[1, 2]",
+    "--set", "one_batch.input_lens=[16]",
+    "--set", "one_batch.output_lens=[48]",
+    "--set", "serving.num_prompts=40",
+    "--set", "serving.random_input_len=16",
+    "--set", "serving.random_output_len=16",
+    "--set", "serving.request_rate=4",
+    "--set", "serving.progress=false",
+    "--set", "occupancy.max_new_tokens=200",
+    "--set", "quality.enabled=false",
+    "--set", "report.html=false",
+]
+
+
+def gate_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["SERVEGATE_DB"] = str(tmp_path / "history.db")  # this scenario's history; marks its processes
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("PREFECT_API_URL", None)
+    env.pop("SERVEGATE_DEVICE_SLOT", None)
+    return env
+
+
+def start_gate(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`servegate run` in a session of its own (so that its whole group can be killed, as CI does)."""
+    cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
+           "--json", *SLOW_TINY, *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def marked_processes(tmp_path: Path) -> list[psutil.Process]:
+    """Live processes (not zombies) that belong to this scenario's gate."""
+    marker = str(tmp_path / "history.db")
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("SERVEGATE_DB") == marker and \
+                    p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def survivors(tmp_path: Path, within_s: float) -> list[str]:
+    """What is still running ``within_s`` seconds from now (the guardian gets that long)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = marked_processes(tmp_path)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = []
+    for p in alive:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def run_folder(tmp_path: Path) -> Path | None:
+    runs = sorted((tmp_path / "runs").glob("*")) if (tmp_path / "runs").is_dir() else []
+    return runs[-1] if runs else None
+
+
+def stage_status(tmp_path: Path) -> dict[str, dict]:
+    folder = run_folder(tmp_path)
+    if folder is None or not (folder / "stages.json").is_file():
+        return {}
+    try:
+        return json.loads((folder / "stages.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}  # being rewritten this instant
+
+
+def wait_for_stage(gate: subprocess.Popen, tmp_path: Path, stage: str, timeout_s: float = 240) -> None:
+    """Return once ``stage`` is running: its flush (or, for launch, the run folder) is done and the
+    stage itself has not been recorded yet."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gate.poll() is not None:
+            raise AssertionError(f"the gate exited ({gate.returncode}) before {stage} began:\n{gate.stderr.read()[-3000:]}")
+        stages = stage_status(tmp_path)
+        folder = run_folder(tmp_path)
+        if stage == "launch":
+            started = folder is not None and (folder / "worker.log").is_file()
+        else:
+            started = stages.get(f"flush:{stage}", {}).get("status") == "ok"
+        if started and stage not in stages:
+            time.sleep(0.5)  # well inside the stage, which lasts seconds
+            return
+        if stage in stages:
+            raise AssertionError(f"{stage} ended before the test could hit it: {stages[stage]}")
+        time.sleep(0.1)
+    raise AssertionError(f"{stage} did not begin within {timeout_s} s; stages: {stage_status(tmp_path)}")
+
+
+@dataclass
+class DbState:
+    exists: bool
+    integrity: str | None
+    runs: int
+
+
+def db_state(tmp_path: Path) -> DbState:
+    """The history database checked with SQLite itself (not through servegate)."""
+    path = tmp_path / "history.db"
+    if not path.exists():
+        return DbState(False, None, 0)
+    con = sqlite3.connect(path)
+    try:
+        integrity = con.execute("PRAGMA integrity_check").fetchone()[0]
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        runs = con.execute("SELECT count(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+        if "runs" in tables and "run_tables" in tables:
+            # recorded whole: every recorded run has its tables
+            orphans = con.execute("SELECT count(*) FROM runs r WHERE NOT EXISTS "
+                                  "(SELECT 1 FROM run_tables t WHERE t.run_id = r.run_id)").fetchone()[0]
+            assert orphans == 0, f"{orphans} run(s) recorded without their tables"
+    finally:
+        con.close()
+    return DbState(True, integrity, runs)
