@@ -29,13 +29,20 @@ from servegate.engines.base import Engine
 from servegate.errors import ConfigError, InfraError, ServegateError, WorkerDiedError
 from servegate.proctree import exit_on_sigterm, guard_process_tree
 
-__all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "StageOutcome", "call_flow", "device_slot_limit",
+__all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "STAGE_NEEDS", "StageOutcome", "call_flow", "device_slot_limit",
            "hold_device_slot", "resolve_config"]
 
 logger = logging.getLogger("servegate.gate")
 
 MEASUREMENT_STAGES: tuple[str, ...] = ("one_batch", "serving", "occupancy", "quality")
 """Measurement stages in gate order; each starts from a flushed, idle worker."""
+
+STAGE_NEEDS: dict[str, tuple[str, str]] = {
+    "occupancy": ("has_metrics", "exposes no Prometheus metrics the gate can rely on"),
+    "quality": ("has_logprobs", "does not promise the prompt log-probabilities the quality stage scores"),
+}
+"""Engine capability (``servegate.engines.base.Engine``) each stage needs, and what its absence means.
+A stage whose engine lacks it is *not applicable*: neither measured nor counted against the gate."""
 
 DEVICE_SLOT_ENV = "SERVEGATE_DEVICE_SLOT"
 """Names the device this gate's worker runs on (e.g. ``gpu-box-3-gpu0``). When set, a gate holds
@@ -209,10 +216,21 @@ class GateRun:
                 f"the worker exited (code {self.worker.returncode}) during {stage}; its measurements are kept in "
                 f"{self.path} but not trusted. Log tail:\n{self.worker.log_tail(20)}")
 
+    def not_applicable_reason(self, stage: str) -> str | None:
+        """Why the engine cannot serve ``stage`` (STAGE_NEEDS), or None when it can."""
+        need = STAGE_NEEDS.get(stage)
+        if need is None or getattr(self.engine, need[0], True):
+            return None
+        return f"engine {self.engine.name} {need[1]}"
+
     def skipped(self, stage: str) -> bool:
-        """True (and the skip recorded with its reason) when ``stage`` is disabled or blocked."""
+        """True (and the skip recorded with its reason) when ``stage`` is disabled, not applicable
+        to the engine, or blocked."""
         if not self.stage_enabled(stage):
             self.skip(stage, "disabled in config")
+            return True
+        if (reason := self.not_applicable_reason(stage)) is not None:
+            self.skip(stage, reason, status="not_applicable")
             return True
         if (reason := self.blocked_reason(stage)) is not None:
             self.skip(stage, reason)

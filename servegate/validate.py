@@ -108,6 +108,9 @@ class ExpectationOutcome(BaseModel):
                                             "or {missing_values} for *_to_contain_set")
     allowed: str = Field(description="human-readable allowed range, e.g. '>= 50' or 'in [measured, skipped]'")
     meta: dict[str, Any] = Field(default_factory=dict, description="provenance from the suite file (source, measured, ...)")
+    applicable: bool = Field(True, description=(
+        "False when the suite's meta.applies_when column is false in every row: the engine cannot provide "
+        "what the expectation checks (e.g. no forward-occupancy gauge); never a breach, never evaluated"))
 
 
 # ---- GX context (one per process) -----------------------------------------------------------
@@ -373,6 +376,22 @@ def _outcome(table: str, spec: ExpectationSpec, *, success: bool | None, produce
                               observed=observed, allowed=allowed_text(spec.type, spec.kwargs), meta=spec.meta)
 
 
+def _not_applicable(exp: ExpectationSpec, df: pd.DataFrame) -> str | None:
+    """Why ``exp`` does not apply to this table, or None when it does.
+
+    ``meta.applies_when`` names a boolean column the stage writes from the engine's capabilities
+    (``fwd_occupancy_applicable``): false in every row means the engine cannot expose what the
+    expectation checks, so a breach of it would blame the engine for a missing feature.
+    """
+    flag = exp.meta.get("applies_when")
+    if not flag or flag not in df.columns:
+        return None
+    values = df[flag]
+    if values.isna().any() or values.astype(bool).any():
+        return None
+    return f"not applicable: {flag} is false (the engine does not provide it)"
+
+
 def _validate_table(path: Path, profile: str, table: str, spec: TableSuiteSpec,
                     df: pd.DataFrame) -> list[ExpectationOutcome]:
     if len(df) == 0:
@@ -383,7 +402,10 @@ def _validate_table(path: Path, profile: str, table: str, spec: TableSuiteSpec,
     runnable: list[int] = []
     for i, exp in enumerate(spec.expectations):
         missing = [c for c in _columns_needed(exp.kwargs) if c not in df.columns]
-        if missing:
+        if (why := _not_applicable(exp, df)) is not None:
+            outcomes[i] = _outcome(table, exp, success=None, produced=True, reason=why).model_copy(
+                update={"applicable": False})
+        elif missing:
             outcomes[i] = _outcome(table, exp, success=None, produced=True,
                                    reason=f"column(s) {missing} missing from table {table!r}; the stage's output "
                                           f"does not match docs/contracts.md (or the suite names a wrong column)")

@@ -91,6 +91,7 @@ class VerdictSummary(_Record):
     failed: int = Field(description="evaluated and breached")
     not_evaluated: int = Field(description="on produced tables but could not be evaluated (infra)")
     not_produced: int = Field(description="whose table was not produced")
+    not_applicable: int = Field(0, description="on produced tables, but the engine cannot provide what they check")
 
 
 class Verdict(_Record):
@@ -102,8 +103,9 @@ class Verdict(_Record):
     breaches: list[Breach] = Field(default_factory=list, description="every failed expectation")
     infra_errors: list[str] = Field(default_factory=list, description="everything that kept the gate from deciding")
     not_validated: list[str] = Field(default_factory=list, description="tables with a suite that were not produced")
-    not_applicable: list[str] = Field(default_factory=list,
-                                      description="of not_validated: tables whose stage was skipped or not applicable")
+    not_applicable: list[str] = Field(default_factory=list, description=(
+        "tables of not_validated whose stage was skipped or not applicable, and table.column checks the engine "
+        "cannot provide (meta.applies_when false)"))
     summary: VerdictSummary = Field(description="counts over all expectations")
     calibration: dict[str, Any] | None = Field(None, description=(
         "the gate key's latest `servegate calibrate` figures (compare stage): A/A false alarms and the "
@@ -154,7 +156,8 @@ def decide(outcomes: list[ExpectationOutcome], infra_errors: list[str],
     only_history_missing = (bool(insufficient) and len(errors) == len(insufficient)
                             and all(o.meta.get("failure_means") == "insufficient_data" for o in insufficient))
     passed = sum(1 for o in outcomes if o.success is True)
-    unevaluated = [o for o in outcomes if o.success is None and o.table_produced]
+    unevaluated = [o for o in outcomes if o.success is None and o.table_produced and o.applicable]
+    inapplicable = [f"{o.table}.{o.column}" for o in outcomes if not o.applicable]
     for o in unevaluated:
         msg = f"{o.table}: {o.expectation_type}({o.column or ''}) not evaluated: {o.reason}"
         if msg not in errors:
@@ -164,7 +167,7 @@ def decide(outcomes: list[ExpectationOutcome], infra_errors: list[str],
     exempt = sorted(t for t in missing_tables if stage_status.get(TABLE_STAGE.get(t, t)) in _EXEMPT_STAGE_STATUS)
     required_missing = [t for t in missing_tables if t not in exempt]
     summary = VerdictSummary(expectations=len(outcomes), passed=passed, failed=len(breaches),
-                             not_evaluated=len(unevaluated),
+                             not_evaluated=len(unevaluated), not_applicable=len(inapplicable),
                              not_produced=sum(1 for o in outcomes if o.success is None and not o.table_produced))
 
     if errors:
@@ -184,11 +187,12 @@ def decide(outcomes: list[ExpectationOutcome], infra_errors: list[str],
     else:
         status = "pass"
         reason = f"all {passed} evaluated expectation(s) met"
-        if exempt:
-            reason += f" ({exempt} skipped or not applicable)"
+        if exempt or inapplicable:
+            reason += f" ({[*exempt, *inapplicable]} skipped or not applicable)"
     eligible = status == "pass" or (only_history_missing and not unevaluated and not breaches and not required_missing)
     return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=errors,
-                   not_validated=missing_tables, not_applicable=exempt, summary=summary, baseline_eligible=eligible)
+                   not_validated=missing_tables, not_applicable=[*exempt, *inapplicable], summary=summary,
+                   baseline_eligible=eligible)
 
 
 # ---- untrusted text -------------------------------------------------------------------------

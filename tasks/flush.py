@@ -12,7 +12,7 @@ from servegate.gate import GateRun
 @task(name="flush", cache_policy=NO_CACHE)
 def flush(run: GateRun, before: str) -> float | None:
     """Flush before stage ``before``; returns seconds waited (None when skipped)."""
-    if not run.stage_enabled(before) or run.blocked_reason() is not None:
+    if not run.stage_enabled(before) or run.not_applicable_reason(before) or run.blocked_reason() is not None:
         return None
     with run.stage(f"flush:{before}"):
         return flush_until_idle(run.base_url, run.engine, run.config.flush, api_key=run.api_key)

@@ -107,3 +107,26 @@ def test_flow_whose_history_write_fails_is_inconclusive_and_keeps_its_files(pref
     summary = (run_dir / "summary.md").read_text()
     assert "inconclusive" in summary and "record" in summary, summary
     assert (run_dir / "junit.xml").is_file() and (run_dir / "serving_requests.csv").is_file()
+
+
+def test_external_engine_stages_it_cannot_serve_are_not_applicable(prefect_harness, tmp_path: Path, monkeypatch):
+    """Engine external promises no metrics and no prompt log-probabilities: its occupancy and quality
+    stages are not applicable, neither measured nor a breach (it once failed the gate on occupancy)."""
+    from servegate.config import WorkerSpec
+    from servegate.launch import launch_worker
+
+    monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
+    spec = WorkerSpec(engine="embedded", model="tiny-random", memory_profile="cpu-small")
+    with launch_worker(spec, tmp_path / "served.log", ready_timeout_s=180) as served:
+        result = regression_gate(profile="smoke", overrides=[
+            *[o for o in TINY if not o.startswith("quality.")], f"output_dir={tmp_path}", "worker.engine=external",
+            f"worker.url={served.base_url}", "serving.num_prompts=3", "one_batch.batch_sizes=[1]",
+            "report.html=false"])
+    verdict = result["verdict"]
+    stages = json.loads((Path(result["run_dir"]) / "stages.json").read_text())
+    for stage in ("occupancy", "quality"):
+        assert stages[stage]["status"] == "not_applicable", stages[stage]
+        assert stages[stage]["error"].startswith("engine external "), stages[stage]
+        assert f"flush:{stage}" not in stages, stages
+    assert verdict["status"] == "pass", json.dumps(verdict, indent=1)
+    assert {"occupancy_summary", "quality_accuracy"} <= set(verdict["not_applicable"]), verdict

@@ -130,6 +130,26 @@ def test_shipped_suites_fail_on_failed_requests_and_low_occupancy():
     assert breaches == {("serving_summary", "failed"), ("occupancy_summary", "fwd_occupancy_median")}
 
 
+@pytest.mark.parametrize("profile", ["smoke", "cpu-nightly", "sglang-h100"])
+def test_an_engine_without_the_occupancy_gauge_is_not_applicable_never_a_breach(profile):
+    # An engine whose capabilities say it has no forward-occupancy gauge (vLLM, external): the stage
+    # writes fwd_occupancy_applicable=False and NaN occupancy. Judged anyway, the not-null and floor
+    # checks would blame the engine for a missing feature (issue 11, finding 8: exit 1).
+    tables = passing_tables()
+    tables["occupancy_summary"] = occupancy_summary_table(occ=math.nan).assign(fwd_occupancy_applicable=False)
+    outcomes = validate_tables(tables, profile)
+    skipped = [o for o in outcomes if not o.applicable]
+    assert {(o.table, o.column) for o in skipped} == {("occupancy_summary", "fwd_occupancy_median")}
+    assert all(o.success is None and o.reason.startswith("not applicable") for o in skipped)
+    verdict = decide(outcomes, [])
+    assert verdict.status == "pass" and verdict.breaches == [], verdict
+    assert "occupancy_summary.fwd_occupancy_median" in verdict.not_applicable
+    assert verdict.summary.not_applicable == len(skipped)
+    # With the gauge, the same NaN is a breach of the not-null check: applies_when hides nothing else.
+    tables["occupancy_summary"]["fwd_occupancy_applicable"] = True
+    assert decide(validate_tables(tables, profile), []).status == "fail"
+
+
 def test_spec_accept_length_judged_only_when_present():
     tables = passing_tables()
     tables["occupancy_summary"] = occupancy_summary_table(accept=None)
