@@ -9,6 +9,9 @@ usage and running/queued requests. The summary is the median over scrapes.
 The page is parsed with ``prometheus_client``'s text parser. Scrapes are paced with
 ``threading.Event.wait`` on the request's completion event, so the loop ends the moment the
 request finishes instead of sleeping through a last interval.
+
+Every request is bounded from send to last byte, not per read: the long request by
+``occupancy.request_timeout_s``, each scrape by a fixed ``SCRAPE_DEADLINE_S``.
 """
 
 from __future__ import annotations
@@ -35,15 +38,20 @@ from servegate.errors import (
     ServerUnreachableError,
     StageError,
 )
+from servegate.http import make_session, request_within
 
 __all__ = [
     "SAMPLE_COLUMNS",
+    "SCRAPE_DEADLINE_S",
     "OccupancyResult",
     "parse_metrics_page",
     "aggregate_scrape",
     "scrape_metrics",
     "run_occupancy",
 ]
+
+SCRAPE_DEADLINE_S: Final = 10.0
+"""A ``/metrics`` page answers in milliseconds; one that takes this long is a stalled server."""
 
 SAMPLE_COLUMNS: Final = ["t_s", "fwd_occupancy", "spec_accept_length", "token_usage", "num_running_reqs",
                          "num_queue_reqs", "kv_cache_usage"]
@@ -91,17 +99,19 @@ def aggregate_scrape(values: dict[str, list[float]], metric_names: dict[str, str
 
 
 def scrape_metrics(session: requests.Session, base_url: str, engine: Engine, api_key: str | None = None,
-                   timeout_s: float = 10.0) -> dict[str, list[float]]:
-    """GET ``/metrics`` once (one retry on a connection error: scrapes may retry, measurements not)."""
+                   timeout_s: float = SCRAPE_DEADLINE_S) -> dict[str, list[float]]:
+    """GET ``/metrics`` once, within ``timeout_s`` from send to last byte (one retry on a
+    connection error: scrapes may retry, measurements not; a stalled page is not retried)."""
     url = base_url.rstrip("/") + "/metrics"
     for attempt in (1, 2):
         try:
-            resp = session.get(url, headers=proto.auth_headers(api_key), timeout=timeout_s)
+            resp = request_within(session, "GET", url, limit_s=timeout_s, what=f"metrics scrape GET {url}",
+                                  setting=None, headers=proto.auth_headers(api_key),
+                                  hint="the server is gone — check the worker's log")
             break
-        except requests.RequestException as exc:
+        except ServerUnreachableError as exc:
             if attempt == 2:
-                raise ServerUnreachableError(f"GET {url} failed twice: {exc}; the server is gone — "
-                                             f"check the worker's log") from exc
+                raise ServerUnreachableError(f"GET {url} failed twice: {exc}") from exc
     if resp.status_code == 404:
         raise MetricsError(f"GET {url} answered 404: metrics are not enabled. {engine.metrics_hint}")
     if resp.status_code != 200:
@@ -121,18 +131,16 @@ class _LongRequest(threading.Thread):
 
     def run(self) -> None:
         try:
-            with requests.Session() as http:
-                resp = http.post(self.url, json=self.body, headers=proto.auth_headers(self.api_key),
-                                 timeout=self.timeout_s)
+            with make_session(self.api_key) as http:
+                resp = request_within(http, "POST", self.url, limit_s=self.timeout_s,
+                                      what=f"the occupancy load request (POST {self.url})",
+                                      setting="occupancy.request_timeout_s", json=self.body,
+                                      hint="the worker is gone — check its log")
             if resp.status_code != 200:
                 self.error = StageError(f"the occupancy load request POST {self.url} answered HTTP "
                                         f"{resp.status_code}: {resp.text[:300]}; check the worker's log")
-        except requests.Timeout as exc:
-            self.error = StageError(f"the occupancy load request did not finish within "
-                                    f"occupancy.request_timeout_s={self.timeout_s}: {exc}")
-        except requests.RequestException as exc:
-            self.error = ServerUnreachableError(f"the occupancy load request POST {self.url} lost the "
-                                                f"server: {exc}; the worker is gone — check its log")
+        except InfraError as exc:
+            self.error = exc
         finally:
             self.done.set()
 
@@ -176,7 +184,7 @@ def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: 
     """
     base_url = base_url.rstrip("/")
     own_session = session is None
-    http = session or requests.Session()
+    http = session or make_session(api_key)
     applicable = "fwd_occupancy" in engine.metric_names
     rows: list[dict[str, float]] = []
     seen: set[str] = set()  # logical metrics whose sample name appeared on some page
@@ -189,7 +197,9 @@ def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: 
         # Fail before loading the server when metrics are not served at all.
         first = scrape_metrics(http, base_url, engine, api_key)
         seen.update(k for k, name in engine.metric_names.items() if name in first)
-        model = proto.fetch_model_name(http, base_url, api_key) if engine.protocol == "openai" else None
+        model = (proto.fetch_model_name(http, base_url, api_key, timeout_s=min(cfg.request_timeout_s, 30.0),
+                                        setting="occupancy.request_timeout_s")
+                 if engine.protocol == "openai" else None)
         load = _LongRequest(proto.generate_url(base_url, engine.protocol), _load_body(engine, model, cfg),
                             api_key, cfg.request_timeout_s)
         t0 = time.perf_counter()

@@ -19,6 +19,13 @@ Formulas (SGLang's): ``last_ttft`` = time until every prompt has its first token
 (latency - last_ttft)`` (NaN when there is no decode window, i.e. ``output_len == 1``);
 ``overall_throughput = (bs*input_len + output_tokens)/latency``. ``output_tokens`` is the
 server's own count (``completion_tokens``/``usage``), ``bs*output_len`` when it gives none.
+
+The server's counts are checked first (the rules are in ``protocol``'s docstring): a prompt
+reported with more than ``output_len`` tokens, a batch with more than ``bs*output_len``, or a
+native count that disagrees with the ``output_ids`` streamed makes the case a ``failed`` row
+naming the disagreement, never a measured one. Every request (server info aside, which the
+engine reads) is bounded from send to last byte by ``one_batch.request_timeout_s``; a case
+that passes it is a ``failed`` row saying so.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from servegate.bench import protocol as proto
 from servegate.bench.datasets import random_token_ids
 from servegate.config import OneBatchConfig
 from servegate.engines.base import Engine, ServerCapacity
-from servegate.errors import InfraError, ServerUnreachableError, StageError
+from servegate.errors import InfraError, StageError
+from servegate.http import make_session, stream_within
 
 __all__ = ["ONE_BATCH_COLUMNS", "run_one_batch", "capacity_skip_reason"]
 
@@ -89,14 +97,15 @@ def run_one_batch(base_url: str, engine: Engine, cfg: OneBatchConfig, api_key: s
     """Run the grid and return the ``one_batch`` table (one row per case and repeat; a skipped
     case has one row).
 
-    A case the server rejects (HTTP error, error chunk, incomplete stream, read timeout) is a
-    ``failed`` row with the error. When the server stops answering (connection refused or
-    dropped) ``ServerUnreachableError`` is raised with the rows measured so far attached as
-    ``exc.partial`` (a DataFrame), so nothing measured is lost.
+    A case the server rejects (HTTP error, error chunk, incomplete stream, deadline passed, token
+    counts that disagree with the stream) is a ``failed`` row with the error. When the server
+    stops answering (connection refused or dropped) ``ServerUnreachableError`` is raised with
+    the rows measured so far attached as ``exc.partial`` (a DataFrame), so nothing measured is
+    lost.
     """
     base_url = base_url.rstrip("/")
     own_session = session is None
-    http = session or requests.Session()
+    http = session or make_session(api_key)
     rows: list[dict[str, Any]] = []
     model: str | None = None
     try:
@@ -109,7 +118,9 @@ def run_one_batch(base_url: str, engine: Engine, cfg: OneBatchConfig, api_key: s
                                      skip_reason=reason))
                     continue
                 if engine.protocol == "openai" and model is None:
-                    model = proto.fetch_model_name(http, base_url, api_key)
+                    model = proto.fetch_model_name(http, base_url, api_key,
+                                                   timeout_s=min(cfg.request_timeout_s, 30.0),
+                                                   setting="one_batch.request_timeout_s")
                 for repeat in range(cfg.repeats):
                     # A per-case (and per-repeat) seed: re-running one case alone sends the same prompts,
                     # and a repeat never finds its prompts in the prefix cache.
@@ -141,12 +152,16 @@ def _measure(http: requests.Session, base_url: str, protocol: str, model: str | 
 
     first_token_at: dict[int, float] = {}
     tokens: dict[int, int] = {}
+    checks: dict[int, proto.NativeCountCheck] = {}
+    last_ids: dict[int, int | None] = {}
     usage_completion: int | None = None
     saw_done = False
+    case = f"batch_size={bs} input_len={il} output_len={ol}"
     tic = time.perf_counter()
     try:
-        with http.post(url, json=body, headers=proto.auth_headers(api_key), stream=True,
-                       timeout=(30.0, cfg.request_timeout_s)) as resp:
+        with stream_within(http, "POST", url, limit_s=cfg.request_timeout_s, what=f"one_batch case {case} (POST {url})",
+                           setting="one_batch.request_timeout_s", json=body, headers=proto.auth_headers(api_key),
+                           hint=f"the server went away during {case}: the worker is gone — check its log") as resp:
             if resp.status_code != 200:
                 return failed(f"POST {url} answered HTTP {resp.status_code}: {resp.text[:500]}")
             # chunk_size=None: hand each HTTP chunk over as it arrives, so TTFT is not delayed
@@ -169,18 +184,20 @@ def _measure(http: requests.Session, base_url: str, protocol: str, model: str | 
                     first_token_at.setdefault(ev.index, now)
                     if ev.completion_tokens is not None:
                         tokens[ev.index] = ev.completion_tokens
-    except requests.exceptions.ConnectTimeout as exc:
-        raise ServerUnreachableError(f"POST {url} could not connect: {exc}; the worker is gone or "
-                                     f"not listening — check its log") from exc
-    except requests.exceptions.ReadTimeout as exc:
-        return failed(f"no answer within one_batch.request_timeout_s={cfg.request_timeout_s}: {exc}")
-    except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
-        raise ServerUnreachableError(f"POST {url} lost the server during batch_size={bs} "
-                                     f"input_len={il} output_len={ol}: {exc}; the worker is gone — "
-                                     f"check its log") from exc
+                        if protocol == "native":
+                            checks.setdefault(ev.index, proto.NativeCountCheck()).chunk(
+                                ev.completion_tokens, ev.output_ids)
+                            last_ids[ev.index] = ev.output_ids
+        latency = time.perf_counter() - tic
+        if saw_done:
+            for index, count in tokens.items():
+                if index in checks:
+                    checks[index].finish(count, last_ids[index])
+                proto.check_count_within(count, ol, f"prompt {index} of {case}")
+            if usage_completion is not None:
+                proto.check_count_within(int(usage_completion), bs * ol, f"the batch {case}")
     except StageError as exc:
         return failed(str(exc))
-    latency = time.perf_counter() - tic
     if not saw_done:
         return failed(f"stream ended before [DONE] ({len(first_token_at)}/{bs} prompts started)")
     missing = sorted(set(range(bs)) - set(first_token_at))

@@ -13,6 +13,24 @@ Output tokens are always counted from the server's own counters, never by tokeni
 chunks on the client (which would cost CPU in the load generator and disagree with the
 server's tokenizer).
 
+Those counters are checked, not trusted (issue 11: a server whose ``usage`` claimed more
+tokens than it streamed got a pass with a TPOT of 1.3 ms against an honest 20 ms). A request
+whose count fails a check is a failed request (``StageError``), never a measured one:
+
+- any protocol: the final count must not exceed the ``max_new_tokens``/``max_tokens`` the
+  request asked for (``check_count_within``): no server may generate more;
+- native, when chunks carry ``output_ids`` (SGLang and the embedded worker do): the final
+  ``completion_tokens`` must equal the number of output ids streamed — the last chunk's
+  (SGLang's default, cumulative ids) or their sum over the chunks (``--stream-output``,
+  incremental ids); see ``NativeCountCheck``. This holds whatever the tokens per chunk. A
+  count that goes down within a stream is rejected too;
+- openai: a chunk may carry several tokens (vLLM groups them under speculative decoding or a
+  stream interval) and only its text, which the client does not tokenize, so the number of
+  chunks bounds nothing. What is checked: the bound above, and that the final ``usage`` agrees
+  with the last per-chunk cumulative ``usage`` (``continuous_usage_stats``) when the server
+  sends both. An OpenAI server that claims no more than was asked but streams fewer tokens
+  cannot be caught without a tokenizer (or logprobs, which cost the server time).
+
 Two ways to read a stream: line by line (``parse_sse_line`` + ``native_event`` /
 ``openai_events``: simple, for the one-batch stage and tests), and the fast path the serving
 load generator uses: ``StreamingClient`` (keep-alive HTTP/1.1 connections on the running
@@ -38,6 +56,8 @@ from urllib.parse import urlsplit
 import orjson
 import requests
 
+from servegate.http import request_within
+
 try:  # a dependency of the serving stage only; the rest of the package imports without it
     import httptools
 except ImportError:  # pragma: no cover - depends on the environment
@@ -58,6 +78,9 @@ __all__ = [
     "parse_sse_payload",
     "SSEDecoder",
     "native_completion_tokens",
+    "native_output_id_count",
+    "NativeCountCheck",
+    "check_count_within",
     "StreamSink",
     "StreamingClient",
     "StreamEvent",
@@ -239,6 +262,86 @@ def native_completion_tokens(payload: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_IDS_KEY: Final = b'"output_ids":'
+
+
+def native_output_id_count(payload: bytes) -> int | None:
+    """How many ``output_ids`` an SGLang ``/generate`` chunk carries, read at the bytes level
+    (commas between the brackets, as ``native_completion_tokens`` reads the counter); None
+    when the chunk has no ``output_ids`` list."""
+    k = payload.rfind(_IDS_KEY)
+    if k < 0:
+        return None
+    k += len(_IDS_KEY)
+    start = payload.find(b"[", k)
+    if start < 0 or payload[k:start].strip():
+        return None
+    end = payload.find(b"]", start)
+    if end < 0:
+        return None
+    if end - start < 8 and not payload[start + 1:end].strip():
+        return 0
+    return payload.count(b",", start, end) + 1
+
+
+def check_count_within(reported: int, max_tokens: int, what: str = "the request") -> None:
+    """``StageError`` when a server reports more completion tokens than ``what`` asked for."""
+    if reported > max_tokens:
+        raise StageError(
+            f"the server reported {reported} completion tokens for {what}, which asked for at most "
+            f"{max_tokens}: it claims tokens it cannot have generated, so TPOT and throughput from its "
+            f"counts would be false — the request is failed; the server's token accounting is broken")
+
+
+class NativeCountCheck:
+    """Holds one native stream's final ``completion_tokens`` to the ``output_ids`` it streamed.
+
+    SGLang sends ``output_ids`` cumulatively by default and incrementally with
+    ``--stream-output``, and a server may render a chunk while its engine appends a token
+    (the embedded worker does), so a mid-stream chunk's count may run one ahead of its ids.
+    Only the end is judged therefore: the final count must equal the last chunk's ids (a
+    cumulative stream) or the ids summed over the stream (an incremental one). Feed every
+    chunk with ``chunk(count, n_ids)`` while ``wants_ids``: the sum is kept only while it
+    could still be the count (not larger) — a cumulative stream outgrows it by its second
+    chunk, after which its ids need not be read; ``n_ids`` None (a chunk without
+    ``output_ids``) turns the check off. Then ``finish`` with the last chunk's ids.
+    """
+
+    __slots__ = ("count", "ids_sum", "wants_ids", "off")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.ids_sum = 0
+        self.wants_ids = True
+        """Whether the next chunk's ids still matter (a plain attribute: read once per chunk)."""
+        self.off = False
+
+    def chunk(self, count: int, n_ids: int | None) -> None:
+        if count < self.count:
+            raise StageError(f"the server's completion_tokens went down from {self.count} to {count} within one "
+                             f"stream; a cumulative count never does — the server's token accounting is broken")
+        self.count = count
+        if n_ids is None:
+            self.off, self.wants_ids = True, False
+            return
+        self.ids_sum += n_ids
+        if self.ids_sum > count:
+            self.wants_ids = False  # not incremental: cumulative (or lying), the last chunk decides
+
+    def finish(self, count: int, last_chunk_ids: int | None) -> None:
+        """After the stream: its final count and the ``output_ids`` of its last chunk."""
+        if self.off or last_chunk_ids is None or count == last_chunk_ids:
+            return
+        if self.wants_ids and count == self.ids_sum:
+            return
+        streamed = (f"its last chunk carries {last_chunk_ids} output ids" if not self.wants_ids else
+                    f"its output ids add up to neither ({last_chunk_ids} in its last chunk, as a cumulative "
+                    f"stream sends them; {self.ids_sum} summed over its chunks, as an incremental one does)")
+        raise StageError(f"the server reported {count} completion tokens but {streamed}: its token count "
+                         f"disagrees with the tokens it sent, so TPOT and throughput from it would be false — "
+                         f"the request is failed; the server's token accounting is broken")
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """Progress of one request (``index`` within a batch) seen in one stream chunk."""
@@ -248,6 +351,8 @@ class StreamEvent:
     """Cumulative output tokens as the server reports them; None when the chunk has no count."""
     prompt_tokens: int | None
     finished: bool
+    output_ids: int | None = None
+    """How many ``output_ids`` the chunk carries (native; None when it has none)."""
 
 
 def _chunk_error(data: dict[str, Any]) -> None:
@@ -262,15 +367,18 @@ def native_event(data: dict[str, Any]) -> StreamEvent:
     _chunk_error(data)
     try:
         meta = data.get("meta_info") or {}
+        ids = data.get("output_ids")
+        n_ids = len(ids) if isinstance(ids, list) else None
         completion = meta.get("completion_tokens")
-        if completion is None and isinstance(data.get("output_ids"), list):
-            completion = len(data["output_ids"])
+        if completion is None:
+            completion = n_ids
         prompt = meta.get("prompt_tokens")
         return StreamEvent(
             index=int(data.get("index", 0)),
             completion_tokens=int(completion) if completion is not None else None,
             prompt_tokens=int(prompt) if prompt is not None else None,
             finished=meta.get("finish_reason") is not None,
+            output_ids=n_ids,
         )
     except (AttributeError, TypeError, ValueError) as exc:
         raise StageError(f"malformed /generate stream chunk ({exc}): {str(data)[:200]}") from exc
@@ -527,14 +635,14 @@ class StreamingClient:
 
 
 def fetch_model_name(session: requests.Session, base_url: str, api_key: str | None = None,
-                     timeout_s: float = 30.0) -> str:
-    """The served model's id from ``GET /v1/models`` (the OpenAI protocol needs it in every body)."""
+                     timeout_s: float = 30.0, setting: str | None = None) -> str:
+    """The served model's id from ``GET /v1/models`` (the OpenAI protocol needs it in every body).
+
+    ``timeout_s`` bounds the whole request; ``setting`` names the config field that sets it.
+    """
     url = base_url.rstrip("/") + "/v1/models"
-    try:
-        resp = session.get(url, headers=auth_headers(api_key), timeout=timeout_s)
-    except requests.RequestException as exc:
-        raise ServerUnreachableError(f"GET {url} failed: {exc}; check that the server is running "
-                                     f"and the URL is right") from exc
+    resp = request_within(session, "GET", url, limit_s=timeout_s, what=f"GET {url}", setting=setting,
+                          headers=auth_headers(api_key))
     if resp.status_code != 200:
         raise StageError(f"GET {url} answered {resp.status_code}: {resp.text[:300]}; the OpenAI "
                          f"protocol needs /v1/models to name the model")

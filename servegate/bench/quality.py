@@ -58,7 +58,7 @@ from servegate.errors import (
     ModelUnavailableError,
     StageError,
 )
-from servegate.http import body_excerpt, join_url, json_body, make_session, served_model_name, unreachable_as_error
+from servegate.http import body_excerpt, join_url, json_body, make_session, request_within, served_model_name
 
 __all__ = [
     "DATA_DIR",
@@ -581,7 +581,8 @@ def run_accuracy_in_process(model: str, cfg: QualityConfig,
 
 
 class _Client:
-    """POSTs JSON over one ``requests.Session`` per thread (sessions are not thread-safe)."""
+    """POSTs JSON over one ``requests.Session`` per thread (sessions are not thread-safe), each
+    request bounded from send to last byte by ``timeout_s`` (``quality.request_timeout_s``)."""
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float) -> None:
         self.base_url, self.api_key, self.timeout_s = base_url, api_key, timeout_s
@@ -599,9 +600,9 @@ class _Client:
 
     def post(self, path: str, body: dict[str, Any], what: str) -> Any:
         url = join_url(self.base_url, path)
-        with unreachable_as_error(url, f"{what} got no answer; check that the worker is alive, or raise "
-                                       f"quality.request_timeout_s"):
-            response = self._session().post(url, json=body, timeout=self.timeout_s)
+        response = request_within(self._session(), "POST", url, limit_s=self.timeout_s, what=f"{what} (POST {url})",
+                                  setting="quality.request_timeout_s", json=body,
+                                  hint="check that the worker is alive")
         if response.status_code != 200:
             raise StageError(f"{what}: POST {url} -> {response.status_code}: {body_excerpt(response)!r}; "
                              f"read the worker log")
@@ -849,7 +850,8 @@ def run_quality(base_url: str, engine: Engine, cfg: QualityConfig, api_key: str 
     if protocol == "openai" or model_for_reference is None:
         session = make_session(api_key)
         try:
-            served_model = served_model_name(session, base_url, timeout_s=min(cfg.request_timeout_s, 30.0))
+            served_model = served_model_name(session, base_url, timeout_s=min(cfg.request_timeout_s, 30.0),
+                                             setting="quality.request_timeout_s")
         finally:
             session.close()
     model_name = model_for_reference or served_model or ""

@@ -10,6 +10,18 @@ server's counters (native ``meta_info.completion_tokens``, OpenAI ``usage``), ne
 tokenizing chunks. A load generator that burns CPU per chunk measures itself: see
 ``benchmarks/loadgen_cost.py`` (issue 7).
 
+The counters are checked before they feed TPOT and throughput, by the rules in
+``protocol``'s docstring: a count above the request's output length (``max_new_tokens`` /
+``max_tokens``), a native count that disagrees with the ``output_ids`` streamed, or an OpenAI
+final ``usage`` that contradicts its per-chunk ``usage`` fails the request (``error_kind``
+``protocol``), so the gate's "no failed requests" check sees it. A native stream's ids are
+read per chunk only until it shows it is not incremental (by its second chunk for SGLang's
+default cumulative ids); then only its last chunk's are.
+
+Each request has a deadline of ``request_timeout_s`` from sending it to its last byte
+(``asyncio.timeout`` around the whole exchange, not per read: a server dripping a byte at a
+time still ends there).
+
 Arrivals follow a schedule computed up front from a seeded generator: ``poisson``
 (exponential gaps at ``request_rate``), ``constant`` (``1/request_rate`` gaps) or
 ``all-at-once`` (``request_rate=inf`` means all at once for any arrival kind). A dispatcher
@@ -48,6 +60,7 @@ from servegate.bench.stats import ARRIVAL_KS_ALPHA, arrival_ks_pvalue, client_va
 from servegate.config import ServingConfig
 from servegate.engines.base import Engine
 from servegate.errors import InfraError, InsufficientDataError, ServerUnreachableError, StageError
+from servegate.http import make_session
 
 try:  # uvloop roughly halves the event loop's cost per streamed chunk; optional
     import uvloop
@@ -135,7 +148,7 @@ class _Sink:
     """
 
     __slots__ = ("native", "out", "decoder", "times", "counts", "count", "usage_total", "last_payload",
-                 "end_ts", "done")
+                 "end_ts", "done", "ids", "chunk_usage")
 
     def __init__(self, native: bool, out: _Outcome) -> None:
         self.native = native
@@ -145,6 +158,10 @@ class _Sink:
         self.counts: list[int] = []
         self.count = 0
         self.usage_total: int | None = None
+        """OpenAI: the final ``usage`` (include_usage summary or finish-only chunk)."""
+        self.chunk_usage = False
+        """OpenAI: whether token chunks carried a cumulative ``usage`` (continuous_usage_stats)."""
+        self.ids = proto.NativeCountCheck()
         self.last_payload = b""
         self.end_ts = math.nan
         """When the last byte that mattered arrived: the [DONE] event, else the last body bytes."""
@@ -171,13 +188,19 @@ class _Sink:
                 k = payload.rfind(_COMPLETION_KEY)
                 m = _INT_AFTER_KEY.match(payload, k + _COMPLETION_KEY_LEN) if k >= 0 else None
                 new_count = int(m.group(1)) if m else _native_slow(payload, count)
+                if self.ids.wants_ids:
+                    self.ids.chunk(new_count, proto.native_output_id_count(payload))
                 self.last_payload = payload
             elif _OPENAI_TOKEN_CHUNK in payload and payload.count(_FINISH_KEY) == 1:
                 # One choice, not finished: a token chunk; its count is the cumulative usage
                 # when the server sends one, else one more. Read without decoding the chunk.
                 k = payload.rfind(_COMPLETION_KEY)
                 m = _INT_AFTER_KEY.match(payload, k + _COMPLETION_KEY_LEN) if k >= 0 else None
-                new_count = int(m.group(1)) if m else count + 1
+                if m:
+                    new_count = int(m.group(1))
+                    self.chunk_usage = True
+                else:
+                    new_count = count + 1
                 self.last_payload = payload
             else:
                 new_count = self._openai(payload, count)
@@ -221,7 +244,28 @@ class _Sink:
             if completion is not None:
                 self.usage_total = completion
             return count
-        return completion if completion is not None else count + 1
+        if completion is None:
+            return count + 1
+        self.chunk_usage = True
+        return completion
+
+    def count_error(self, max_tokens: int) -> str | None:
+        """Why the server's token count cannot be trusted (see the module docstring), or None."""
+        try:
+            if self.native:
+                last_ids = proto.native_output_id_count(self.last_payload) if self.last_payload else None
+                self.ids.finish(self.count, last_ids)
+                reported = self.count
+            else:
+                reported = self.usage_total if self.usage_total is not None else self.count
+                if self.usage_total is not None and self.chunk_usage and self.usage_total != self.count:
+                    return (f"the server's final usage says {self.usage_total} completion tokens but its "
+                            f"per-chunk usage reached {self.count}: it contradicts itself, so TPOT and "
+                            f"throughput from its counts would be false — the request is failed")
+            proto.check_count_within(reported, max_tokens, f"a request of max tokens {max_tokens}")
+        except StageError as exc:
+            return str(exc)
+        return None
 
 
 def _native_slow(payload: bytes, count: int) -> int:
@@ -232,7 +276,8 @@ def _native_slow(payload: bytes, count: int) -> int:
     return ev.completion_tokens if ev.completion_tokens is not None else count + 1
 
 
-async def _stream_one(client: proto.StreamingClient, request: bytes, protocol: str, timeout_s: float) -> _Outcome:
+async def _stream_one(client: proto.StreamingClient, request: bytes, protocol: str, timeout_s: float,
+                      request_id: int, max_tokens: int) -> _Outcome:
     out = _Outcome()
     native = protocol == "native"
     sink = _Sink(native, out)
@@ -254,7 +299,10 @@ async def _stream_one(client: proto.StreamingClient, request: bytes, protocol: s
                 out.prompt_tokens = (proto.native_event(last).prompt_tokens if native  # type: ignore[arg-type]
                                      else proto.openai_usage(last)[0])  # type: ignore[arg-type]
     except TimeoutError:
-        out.error, out.error_kind = f"no complete answer within {timeout_s} s", "timeout"
+        out.error = (f"request {request_id} did not complete within its deadline of {timeout_s:g} s (from "
+                     f"sending it to its last byte): the server stalled or is sending too slowly — read the "
+                     f"worker log; raise serving.request_timeout_s if the server is only slow")
+        out.error_kind = "timeout"
         return out
     except ServerUnreachableError as exc:
         out.error, out.error_kind = str(exc), "connection"
@@ -276,6 +324,8 @@ async def _stream_one(client: proto.StreamingClient, request: bytes, protocol: s
         out.error, out.error_kind = f"stream ended before [DONE] after {count} tokens", "stream"
     elif count == 0:
         out.error, out.error_kind = "stream finished without any output token", "stream"
+    elif (lie := sink.count_error(max_tokens)) is not None:
+        out.error, out.error_kind = lie, "protocol"
     else:
         out.success = True
     return out
@@ -301,11 +351,13 @@ async def _run_load(rows: list[DatasetRow], schedule: np.ndarray, base_url: str,
             async def one(i: int, dispatched: float) -> None:
                 if semaphore is None:
                     sent = time.perf_counter()
-                    outcome = await _stream_one(client, requests_bytes[i], protocol, cfg.request_timeout_s)
+                    outcome = await _stream_one(client, requests_bytes[i], protocol, cfg.request_timeout_s, i,
+                                                  rows[i].output_len)
                 else:
                     async with semaphore:
                         sent = time.perf_counter()
-                        outcome = await _stream_one(client, requests_bytes[i], protocol, cfg.request_timeout_s)
+                        outcome = await _stream_one(client, requests_bytes[i], protocol, cfg.request_timeout_s, i,
+                                                  rows[i].output_len)
                 finished = time.perf_counter()
                 records[i] = _record(i, rows[i], float(schedule[i]), dispatched - t0, sent - t0,
                                      finished - t0, outcome)
@@ -417,9 +469,10 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
     schedule = arrival_schedule(len(rows), cfg.arrival, cfg.request_rate, cfg.seed)
     model = None
     if protocol == "openai":
-        http = session or requests.Session()
+        http = session or make_session(api_key)
         try:
-            model = proto.fetch_model_name(http, base_url, api_key)
+            model = proto.fetch_model_name(http, base_url, api_key, timeout_s=min(cfg.request_timeout_s, 30.0),
+                                           setting="serving.request_timeout_s")
         finally:
             if session is None:
                 http.close()

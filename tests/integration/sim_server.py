@@ -7,6 +7,16 @@ real SSE streams and real timing. It records what it saw (peak concurrent reques
 times) and exposes ``/get_server_info`` and a configurable ``/metrics`` page (NaN gauges,
 several ``tp_rank`` label sets, 404, a malformed page).
 
+Misbehaviours, for the gate's own fault tests (issue 11):
+
+- ``api_key``: every route but ``/health*`` and ``/metrics`` answers 401 without
+  ``Authorization: Bearer <key>``, as SGLang, vLLM and the embedded worker do;
+- ``claim_factor``: lying token counts — native ``meta_info.completion_tokens`` and OpenAI
+  ``usage.completion_tokens`` (per chunk and final) are that many times what was streamed
+  (with ``stop_after_tokens``, a lie that stays under what the request asked for);
+- ``drip_routes``: those paths answer 200 and then send one byte every ``drip_interval_s``,
+  forever (a stalled server that never trips a per-read timeout).
+
 Run it in a thread: ``with SimServer(SimState(...)) as sim: sim.base_url``.
 """
 
@@ -44,6 +54,16 @@ class SimState:
     dp_size: int = 1
     model: str = "sim-model"
     api_key: str | None = None
+    """When set, every route but /health* and /metrics requires ``Authorization: Bearer <key>``."""
+    claim_factor: int = 1
+    """Reported completion tokens = this times the tokens actually streamed (1: honest)."""
+    stop_after_tokens: int | None = None
+    """When set, generation ends after this many tokens whatever was asked (as at an EOS)."""
+    drip_routes: set[str] = field(default_factory=set)
+    """Paths that answer 200, then one byte every ``drip_interval_s`` forever."""
+    drip_interval_s: float = 1.0
+    drips: int = 0
+    """Drip responses started (read by tests)."""
     generate_status: int | None = None
     """When set, every generation request answers this HTTP status with an error body."""
     cut_stream_after_tokens: int | None = None
@@ -61,6 +81,9 @@ class SimState:
     """time.perf_counter() at each generation request's arrival."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
     scrapes: int = 0
+
+    def generated(self, asked: int) -> int:
+        return asked if self.stop_after_tokens is None else min(asked, self.stop_after_tokens)
 
     def _enter(self) -> None:
         self.active += 1
@@ -88,12 +111,12 @@ def _batch_prompts(body: dict[str, Any], key_text: str, key_ids: str) -> tuple[l
     """Prompt lengths (in simulated tokens) and whether the request is a batch."""
     if key_ids in body and body[key_ids] is not None:
         ids = body[key_ids]
+        if isinstance(ids, str):  # before ids[0]: a string's first item is a string too
+            return [max(1, len(ids.split()))], False
         if ids and isinstance(ids[0], list):
             return [len(x) for x in ids], True
         if ids and isinstance(ids[0], str):
             return [max(1, len(x.split())) for x in ids], True
-        if isinstance(ids, str):
-            return [max(1, len(ids.split()))], False
         return [len(ids)], False
     text = body.get(key_text)
     if isinstance(text, list):
@@ -108,10 +131,27 @@ def _sse(obj: Any) -> bytes:
 def make_app(state: SimState) -> FastAPI:
     app = FastAPI()
 
-    def unauthorized(request: Request) -> Response | None:
-        if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        # As SGLang's and the embedded worker's middleware: health probes and metrics stay open.
+        path = request.url.path
+        if (state.api_key and not path.startswith("/health") and not path.startswith("/metrics")
+                and request.headers.get("authorization") != f"Bearer {state.api_key}"):
             return JSONResponse({"error": {"message": "invalid api key"}}, status_code=401)
-        return None
+        return await call_next(request)
+
+    def drip(request: Request, byte: bytes = b" ") -> Response | None:
+        """A 200 whose body never ends: one ``byte`` (JSON or SSE whitespace) per interval."""
+        if request.url.path not in state.drip_routes:
+            return None
+        state.drips += 1
+
+        async def forever():
+            while True:
+                yield byte
+                await asyncio.sleep(state.drip_interval_s)
+
+        return StreamingResponse(forever(), media_type="text/event-stream")
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -119,7 +159,9 @@ def make_app(state: SimState) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        if (resp := drip(request)) is not None:
+            return resp
         return {"object": "list", "data": [{"id": state.model, "object": "model"}]}
 
     @app.get("/get_server_info")
@@ -139,7 +181,9 @@ def make_app(state: SimState) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if (resp := drip(request, b"\n")) is not None:
+            return resp
         n = state.scrapes
         state.scrapes += 1
         if state.metrics_status != 200:
@@ -189,15 +233,15 @@ def make_app(state: SimState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        if (resp := unauthorized(request)) is not None:
-            return resp
         body = orjson.loads(await request.body())
         state.bodies.append(body)
         if (resp := error_status()) is not None:
             return resp
+        if (resp := drip(request, b"\n" if body.get("stream") else b" ")) is not None:
+            return resp
         prompt_lens, is_batch = _batch_prompts(body, "text", "input_ids")
         sp = body.get("sampling_params") or {}
-        max_new = int(sp.get("max_new_tokens", 16))
+        max_new = state.generated(int(sp.get("max_new_tokens", 16)))
         start = time.perf_counter()
 
         def chunk(idx: int, step: int, last: bool) -> dict[str, Any]:
@@ -208,7 +252,7 @@ def make_app(state: SimState) -> FastAPI:
                     "id": f"req-{len(state.bodies)}-{idx}",
                     "finish_reason": {"type": "length", "length": max_new} if last else None,
                     "prompt_tokens": prompt_lens[idx],
-                    "completion_tokens": step,
+                    "completion_tokens": step * state.claim_factor,
                     "cached_tokens": 0,
                     "e2e_latency": time.perf_counter() - start,
                 },
@@ -223,18 +267,21 @@ def make_app(state: SimState) -> FastAPI:
             return StreamingResponse(gen, media_type="text/event-stream")
         await run_blocking(max_new)
         results = [chunk(i, max_new, True) for i in range(len(prompt_lens))]
+        if body.get("return_logprob"):  # what the quality stage reads: [logprob, token_id, text] triples
+            for res in results:
+                res["meta_info"]["output_token_logprobs"] = [[-0.5, t, None] for t in res["output_ids"]]
         return JSONResponse(results if is_batch else results[0])
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        if (resp := unauthorized(request)) is not None:
-            return resp
         body = orjson.loads(await request.body())
         state.bodies.append(body)
         if (resp := error_status()) is not None:
             return resp
+        if (resp := drip(request, b"\n" if body.get("stream") else b" ")) is not None:
+            return resp
         prompt_lens, _ = _batch_prompts({"prompt": body.get("prompt")}, "text", "prompt")
-        max_new = int(body.get("max_tokens", 16))
+        max_new = state.generated(int(body.get("max_tokens", 16)))
         created = int(time.time())
         opts = body.get("stream_options") or {}
         continuous = bool(opts.get("continuous_usage_stats")) and state.openai_continuous_usage
@@ -247,14 +294,15 @@ def make_app(state: SimState) -> FastAPI:
                              "finish_reason": "length" if last else None}],
             }
             if continuous and len(prompt_lens) == 1:
-                out["usage"] = {"prompt_tokens": total_prompt, "completion_tokens": step,
-                                "total_tokens": total_prompt + step}
+                claimed = step * state.claim_factor
+                out["usage"] = {"prompt_tokens": total_prompt, "completion_tokens": claimed,
+                                "total_tokens": total_prompt + claimed}
             return out
 
         def done() -> list[bytes]:
             tail = []
             if opts.get("include_usage"):
-                n_out = max_new * len(prompt_lens)
+                n_out = max_new * len(prompt_lens) * state.claim_factor
                 tail.append(_sse({"id": "cmpl-sim", "object": "text_completion", "created": created,
                                   "model": state.model, "choices": [],
                                   "usage": {"prompt_tokens": total_prompt, "completion_tokens": n_out,
@@ -266,7 +314,7 @@ def make_app(state: SimState) -> FastAPI:
             gen = run_steps(prompt_lens, max_new, lambda i, s, last: [_sse(chunk(i, s, last))], done)
             return StreamingResponse(gen, media_type="text/event-stream")
         await run_blocking(max_new)
-        n_out = max_new * len(prompt_lens)
+        n_out = max_new * len(prompt_lens) * state.claim_factor
         return JSONResponse({
             "id": "cmpl-sim", "object": "text_completion", "created": created, "model": state.model,
             "choices": [{"index": i, "text": "".join(f" t{_token(i, s)}" for s in range(1, max_new + 1)),

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
-from servegate.bench.occupancy import SAMPLE_COLUMNS, run_occupancy
+from servegate.bench.occupancy import SAMPLE_COLUMNS, run_occupancy, scrape_metrics
 from servegate.config import OccupancyConfig
 from servegate.engines import SGLangEngine, VLLMEngine
 from servegate.errors import InsufficientDataError, MetricsError, ServerUnreachableError, StageError
+
+from servegate.http import make_session
 
 from sim_server import SimServer, SimState, free_port
 
@@ -132,3 +135,38 @@ def test_failed_load_request_is_a_stage_error(sim: SimServer) -> None:
 def test_unreachable_server() -> None:
     with pytest.raises(ServerUnreachableError):
         run_occupancy(f"http://127.0.0.1:{free_port()}", SGLangEngine(), _cfg())
+
+
+# --- issue 11: whole-request deadlines, API key ---------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_dripping_long_request_fails_at_its_deadline(sim: SimServer) -> None:
+    sim.state.drip_routes = {"/generate"}
+    sim.state.drip_interval_s = 0.2  # never idle long enough for a per-read timeout
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"the occupancy load request \(POST .*\) did not complete within its "
+                                         r"deadline of 1 s .*raise occupancy.request_timeout_s"):
+        run_occupancy(sim.base_url, SGLangEngine(), _cfg(request_timeout_s=1.0))
+    assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.timeout(30)
+def test_dripping_metrics_page_fails_the_scrape_at_its_deadline(sim: SimServer) -> None:
+    sim.state.drip_routes = {"/metrics"}
+    sim.state.drip_interval_s = 0.2
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"metrics scrape GET .*/metrics did not complete within its deadline "
+                                         r"of 1 s .*this limit is fixed"):
+        scrape_metrics(make_session(), sim.base_url, SGLangEngine(), timeout_s=1.0)
+    assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("engine", [SGLangEngine(), VLLMEngine()], ids=["native", "openai"])
+def test_server_that_requires_an_api_key(sim: SimServer, engine) -> None:
+    sim.state.api_key = "sekrit"
+    if engine.protocol == "openai":
+        sim.state.metrics = {"vllm:num_requests_running": [({}, 1.0)]}
+    res = run_occupancy(sim.base_url, engine, _cfg(), api_key="sekrit")
+    assert res.summary.iloc[0]["n_scrapes"] >= 3
+    with pytest.raises(StageError, match="401"):
+        run_occupancy(sim.base_url, engine, _cfg())

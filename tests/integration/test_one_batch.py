@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import requests
@@ -11,7 +12,7 @@ from servegate.bench.one_batch import ONE_BATCH_COLUMNS, run_one_batch
 from servegate.config import OneBatchConfig
 from servegate.engines import SGLangEngine, VLLMEngine
 from servegate.engines.base import ServerCapacity
-from servegate.errors import ServerUnreachableError
+from servegate.errors import ServerUnreachableError, StageError
 
 from sim_server import SimServer, SimState, free_port
 
@@ -114,12 +115,15 @@ def test_cut_stream_is_a_failed_row(sim: SimServer) -> None:
     assert row["status"] == "failed" and "stream ended before [DONE]" in row["error"]
 
 
-def test_api_key_is_sent(sim: SimServer) -> None:
+@pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
+def test_server_that_requires_an_api_key(sim: SimServer, engine) -> None:
+    # Like SGLang and the embedded worker, the sim guards every route but health and metrics,
+    # server info included: the key must be on every request one_batch makes (issue 11 #14).
     sim.state.api_key = "sekrit"
-    (row,) = run_one_batch(sim.base_url, SGLangEngine(), _cfg(), api_key="sekrit").to_dict("records")
+    (row,) = run_one_batch(sim.base_url, engine, _cfg(), api_key="sekrit").to_dict("records")
     assert row["status"] == "measured"
-    (row,) = run_one_batch(sim.base_url, SGLangEngine(), _cfg(), api_key="wrong").to_dict("records")
-    assert row["status"] == "failed" and "401" in row["error"]
+    with pytest.raises(StageError, match="401"):
+        run_one_batch(sim.base_url, engine, _cfg(), api_key="wrong")
 
 
 def test_unreachable_server_raises_with_empty_partial() -> None:
@@ -166,3 +170,26 @@ def test_repeats_measure_each_case_again_with_fresh_prompts(sim: SimServer) -> N
     # Repeat 0 sends what a single measurement of the case sends (a re-run of one case matches).
     single = run_one_batch(sim.base_url, SGLangEngine(), _cfg(batch_sizes=[1], output_lens=[3]))
     assert tuple(sim.state.bodies[-1]["input_ids"][0]) == prompts[0] and single["repeat"].tolist() == [0]
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
+def test_lying_token_counts_are_a_failed_row(sim: SimServer, engine) -> None:
+    sim.state.claim_factor = 3
+    (row,) = run_one_batch(sim.base_url, engine, _cfg()).to_dict("records")
+    assert row["status"] == "failed" and math.isnan(row["output_throughput"])
+    if engine.protocol == "native":  # 11 ids streamed per prompt, 33 claimed
+        assert "reported 33 completion tokens but its last chunk carries 11 output ids" in row["error"]
+    else:  # a batch of 2 x 11 tokens claimed as 66
+        assert "reported 66 completion tokens for the batch batch_size=2 input_len=32 output_len=11" in row["error"]
+
+
+@pytest.mark.timeout(30)
+def test_dripping_server_fails_the_case_at_its_deadline(sim: SimServer) -> None:
+    sim.state.drip_routes = {"/generate"}
+    sim.state.drip_interval_s = 0.2  # a byte well inside every read timeout, forever
+    started = time.monotonic()
+    (row,) = run_one_batch(sim.base_url, SGLangEngine(), _cfg(request_timeout_s=1.0)).to_dict("records")
+    assert time.monotonic() - started < 5.0
+    assert row["status"] == "failed"
+    assert "one_batch case batch_size=2 input_len=32 output_len=11" in row["error"]
+    assert "deadline of 1 s" in row["error"] and "raise one_batch.request_timeout_s" in row["error"]

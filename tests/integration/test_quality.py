@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,12 +27,16 @@ from servegate.bench.quality import (
     run_quality,
     score_items_in_process,
     server_ending_logprobs,
+    server_greedy_outputs,
 )
 from servegate.config import WorkerSpec
 from servegate.engines import get_engine
+from servegate.errors import StageError
 from servegate.launch import WorkerHandle, launch_worker
 from servegate.worker.logprobs import input_token_logprobs
 from servegate.worker.model import ensure_model, load_model
+
+from sim_server import SimServer, SimState
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -226,3 +231,30 @@ def test_openai_protocol_scores_and_agrees_like_native(vllm_like, tiny, prompts_
         assert scores == pytest.approx([sum(e) for e in per_ending], abs=1e-4)
     agree = result.agreement.iloc[0]
     assert agree["exact_match_rate"] == 1.0 and agree["within_tolerance_rate"] == 1.0
+
+
+# --- issue 11: whole-request deadline and API key, against the simulated server ---------------
+
+@pytest.fixture
+def sim() -> Iterator[SimServer]:
+    with SimServer(SimState(prefill_delay_s=0.005, per_token_delay_s=0.001)) as server:
+        yield server
+
+
+@pytest.mark.timeout(30)
+def test_dripping_server_fails_the_quality_request_at_its_deadline(sim):
+    sim.state.drip_routes = {"/generate"}
+    sim.state.drip_interval_s = 0.2  # a byte inside every per-read timeout, forever
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"reference agreement \(POST .*/generate\) did not complete within its "
+                                         r"deadline of 1 s .*raise quality.request_timeout_s"):
+        server_greedy_outputs(sim.base_url, "native", [[1, 2, 3]], 4, timeout_s=1.0)
+    assert time.monotonic() - started < 5.0
+
+
+def test_server_that_requires_an_api_key(sim):
+    sim.state.api_key = "sekrit"
+    ((ids, logprobs),) = server_greedy_outputs(sim.base_url, "native", [[1, 2, 3]], 4, api_key="sekrit")
+    assert len(ids) == 4 and logprobs == [-0.5] * 4
+    with pytest.raises(StageError, match="401"):
+        server_greedy_outputs(sim.base_url, "native", [[1, 2, 3]], 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from servegate.bench.serving import REQUEST_COLUMNS, arrival_schedule, run_serving
 from servegate.config import ServingConfig
 from servegate.engines import SGLangEngine, VLLMEngine
-from servegate.errors import InsufficientDataError, ServerUnreachableError
+from servegate.errors import InsufficientDataError, ServerUnreachableError, StageError
 
 from sim_server import SimServer, SimState, free_port
 
@@ -179,3 +180,54 @@ def test_sharegpt_file_with_server_counted_prompts(sim: SimServer, tmp_path: Pat
     assert sorted(req["input_tokens"].tolist()) == [3, 4, 5, 6, 7]
     assert isinstance(sim.state.bodies[0]["text"], str)
     assert (req["output_tokens"] == 3).all()
+
+
+# --- issue 11: counts checked, whole-request deadline, API key --------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
+def test_lying_token_counts_fail_the_requests_instead_of_a_fast_tpot(sim: SimServer, engine) -> None:
+    # The server streams 6 tokens per request but claims 15 times as many: trusted, that is a
+    # TPOT 15 times too good (the fault campaign's 1.3 ms against an honest 20 ms, and a pass).
+    sim.state.claim_factor = 15
+    with pytest.raises(InsufficientDataError, match="all 12 requests failed") as info:
+        run_serving(sim.base_url, engine, _cfg(random_range_ratio=1.0))
+    partial = info.value.partial.requests
+    assert (partial["error_kind"] == "protocol").all()
+    # Native: the count disagrees with the output ids streamed; OpenAI streams text only, so
+    # the claim is caught against the 6 tokens the request asked for.
+    expected = ("reported 90 completion tokens but its output ids add up to neither" if engine.protocol == "native"
+                else "reported 90 completion tokens for a request of max tokens 6")
+    assert partial["error"].str.contains(expected).all()
+    assert partial["tpot_ms"].isna().all() and (partial["output_tokens"] == 0).all()
+
+
+def test_native_count_ahead_of_the_streamed_ids_is_caught_even_under_the_limit(sim: SimServer) -> None:
+    # 6 tokens streamed, 12 claimed, 40 asked for: under the limit, so only the ids show the lie.
+    sim.state.claim_factor, sim.state.stop_after_tokens = 2, 6
+    with pytest.raises(InsufficientDataError) as info:
+        run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=3, random_output_len=40, random_range_ratio=1.0))
+    partial = info.value.partial.requests
+    assert (partial["error_kind"] == "protocol").all()
+    assert partial["error"].str.contains("reported 12 completion tokens but its last chunk carries 6 output ids").all()
+
+
+def test_dripping_server_fails_each_request_at_its_deadline(sim: SimServer) -> None:
+    sim.state.drip_routes = {"/generate"}
+    sim.state.drip_interval_s = 0.2
+    started = time.monotonic()
+    with pytest.raises(InsufficientDataError) as info:
+        run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=2, request_timeout_s=1.0))
+    assert time.monotonic() - started < 5.0
+    partial = info.value.partial.requests
+    assert (partial["error_kind"] == "timeout").all()
+    assert partial["error"].str.contains("deadline of 1 s").all()
+    assert partial["error"].str.contains("raise serving.request_timeout_s").all()
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
+def test_server_that_requires_an_api_key(sim: SimServer, engine) -> None:
+    sim.state.api_key = "sekrit"
+    res = run_serving(sim.base_url, engine, _cfg(num_prompts=4), api_key="sekrit")
+    assert res.requests["success"].all()
+    with pytest.raises((InsufficientDataError, StageError), match="401"):
+        run_serving(sim.base_url, engine, _cfg(num_prompts=4))

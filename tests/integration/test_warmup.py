@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from servegate.bench.warmup import run_warmup
@@ -11,6 +13,7 @@ from servegate.errors import ServerUnreachableError, StageError
 from servegate.launch import free_port
 
 from fake_servers import FakeServer
+from sim_server import SimServer, SimState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,3 +83,50 @@ def test_unreachable_server() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerUnreachableError, match="warmup request 1/1"):
         run_warmup(url, SGLangEngine(), WarmupConfig(num_requests=1))
+
+
+# --- issue 11: whole-request deadline, believable counts, API key (against the sim server) ----
+
+@pytest.fixture
+def sim():
+    with SimServer(SimState(prefill_delay_s=0.005, per_token_delay_s=0.001)) as server:
+        yield server
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("engine", [SGLangEngine(), VLLMEngine()], ids=["native", "openai"])
+def test_dripping_server_fails_warmup_at_its_deadline(sim: SimServer, engine) -> None:
+    # One byte every 0.2 s never trips a 1 s per-read timeout: before the fix this ran forever.
+    sim.state.drip_routes = {"/generate", "/v1/completions"}
+    sim.state.drip_interval_s = 0.2
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"warmup request 1/2 \(POST .*\) did not complete within its deadline "
+                                         r"of 1 s .*raise warmup.request_timeout_s"):
+        run_warmup(sim.base_url, engine, WarmupConfig(num_requests=2, request_timeout_s=1.0))
+    assert time.monotonic() - started < 5.0
+    assert sim.state.drips == 1
+
+
+@pytest.mark.timeout(30)
+def test_dripping_model_list_fails_at_its_deadline(sim: SimServer) -> None:
+    sim.state.drip_routes = {"/v1/models"}
+    sim.state.drip_interval_s = 0.2
+    with pytest.raises(StageError, match=r"GET .*/v1/models did not complete within its deadline of 1 s"):
+        run_warmup(sim.base_url, VLLMEngine(), WarmupConfig(num_requests=1, request_timeout_s=1.0))
+
+
+@pytest.mark.parametrize("engine", [SGLangEngine(), VLLMEngine()], ids=["native", "openai"])
+def test_lying_token_counts_fail_warmup(sim: SimServer, engine) -> None:
+    sim.state.claim_factor = 3
+    match = ("reported 24 completion tokens for warmup request 1/1 .* but returned 8 output ids"
+             if engine.protocol == "native" else "reported 24 completion tokens for warmup request 1/1 .* at most 8")
+    with pytest.raises(StageError, match=match):
+        run_warmup(sim.base_url, engine, WarmupConfig(num_requests=1, max_new_tokens=8))
+
+
+@pytest.mark.parametrize("engine", [SGLangEngine(), VLLMEngine()], ids=["native", "openai"])
+def test_server_that_requires_an_api_key(sim: SimServer, engine) -> None:
+    sim.state.api_key = "sekrit"
+    assert run_warmup(sim.base_url, engine, WarmupConfig(num_requests=1, max_new_tokens=4), api_key="sekrit") == 1
+    with pytest.raises(StageError, match="401"):
+        run_warmup(sim.base_url, engine, WarmupConfig(num_requests=1, max_new_tokens=4))

@@ -298,3 +298,93 @@ def test_openai_fast_and_slow_paths_agree(dumps) -> None:
     for i, c in enumerate(chunks):
         sink.feed(b"data: " + dumps(c) + b"\n\n", float(i))
     assert sink.counts == [1, 3, 4] and sink.times == [0.0, 1.0, 2.0]
+
+
+# --- issue 11: server token counts are checked against what was streamed ---------------------
+
+def test_native_output_id_count_reads_the_ids_without_decoding() -> None:
+    assert proto.native_output_id_count(orjson.dumps({"text": "a", "output_ids": [5, 6, 7],
+                                                      "meta_info": {"completion_tokens": 3}})) == 3
+    assert proto.native_output_id_count(b'{"output_ids": [ 5 ,6 ], "meta_info": {}}') == 2  # spaced JSON
+    assert proto.native_output_id_count(b'{"output_ids":[],"meta_info":{}}') == 0
+    assert proto.native_output_id_count(b'{"output_ids": [ ], "meta_info": {}}') == 0
+    assert proto.native_output_id_count(b'{"text": "say \\"output_ids\\": [1]", "meta_info": {}}') is None
+    assert proto.native_output_id_count(b'{"output_ids": null}') is None
+
+
+def _check(chunks: list[tuple[int, int | None]]) -> proto.NativeCountCheck:
+    check = proto.NativeCountCheck()
+    for count, n_ids in chunks:
+        check.chunk(count, n_ids)
+    return check
+
+
+def test_native_count_check_accepts_cumulative_and_incremental_ids_and_multi_token_chunks() -> None:
+    cumulative = _check([(1, 1), (3, 3), (4, 4)])  # SGLang's default; a chunk of 2 tokens
+    assert not cumulative.wants_ids  # outgrown by its second chunk: only the last one matters now
+    cumulative.finish(4, 4)
+    incremental = _check([(1, 1), (3, 2), (4, 1), (4, 0)])  # --stream-output; a finish-only chunk
+    assert incremental.wants_ids
+    incremental.finish(4, 0)
+    _check([(5, 5)]).finish(5, 5)  # one chunk: both readings agree
+    _check([(1, None), (9, 3)]).finish(9, None)  # a server without output_ids: nothing to hold it to
+
+
+def test_native_count_check_tolerates_a_count_one_ahead_mid_stream() -> None:
+    # The embedded worker may render a chunk while its engine appends a token: the count runs
+    # one ahead of the ids in that chunk, and the final, finished chunk agrees again.
+    _check([(1, 1), (3, 2), (3, 3), (4, 4)]).finish(4, 4)
+
+
+@pytest.mark.parametrize("chunks,final,match", [
+    # x15 from the start, 6 tokens: the ids summed (21) are not the count either
+    ([(15 * k, k) for k in range(1, 7)], 6, r"reported 90 completion tokens but its output ids add up to neither "
+                                            r"\(6 in its last chunk, .* 21 summed"),
+    # cumulative, then a last chunk claiming more than its ids
+    ([(1, 1), (2, 2), (64, 3)], 3, "reported 64 completion tokens but its last chunk carries 3 output ids"),
+    # incremental ids that fall short of the count
+    ([(1, 1), (3, 1), (5, 1)], 1, r"reported 5 completion tokens but .* 3 summed over its chunks"),
+])
+def test_native_count_check_rejects_counts_that_disagree_with_the_ids(chunks, final, match) -> None:
+    check = _check(chunks)
+    with pytest.raises(StageError, match=match):
+        check.finish(chunks[-1][0], final)
+
+
+def test_native_count_check_rejects_a_count_that_goes_down() -> None:
+    with pytest.raises(StageError, match="went down from 3 to 2"):
+        _check([(1, 1), (3, 3), (2, 2)])
+
+
+def test_check_count_within() -> None:
+    proto.check_count_within(8, 8)
+    with pytest.raises(StageError, match="reported 9 completion tokens for the request, which asked for at most 8"):
+        proto.check_count_within(9, 8)
+
+
+def test_sink_count_error_per_protocol() -> None:
+    native = _Sink(True, _Outcome())
+    native.feed(_native(1) + _native(2) + _native(3), 1.0)
+    assert native.count_error(3) is None
+    assert "asked for at most 2" in native.count_error(2)
+    liar = _Sink(True, _Outcome())
+    liar.feed(_native(1) + _native(2), 1.0)  # cumulative from here on: only the last chunk is read
+    liar.feed(b"data: " + orjson.dumps({"text": "xxx", "output_ids": [0, 1, 2],
+                                        "meta_info": {"completion_tokens": 30}}) + b"\n\n", 2.0)
+    assert "reported 30 completion tokens but its last chunk carries 3 output ids" in liar.count_error(64)
+
+    honest = _Sink(False, _Outcome())
+    for i in range(1, 4):
+        honest.feed(_openai("t", None, (5, i)), float(i))
+    honest.feed(_openai("", None, (5, 3), choices=False), 4.0)
+    assert honest.count_error(3) is None
+    contradicts = _Sink(False, _Outcome())
+    for i in range(1, 4):
+        contradicts.feed(_openai("t", None, (5, i)), float(i))
+    contradicts.feed(_openai("", None, (5, 40), choices=False), 4.0)
+    assert "final usage says 40 completion tokens but its per-chunk usage reached 3" in contradicts.count_error(64)
+    grouped = _Sink(False, _Outcome())  # no per-chunk usage: chunks may group tokens, the total decides
+    grouped.feed(_openai("tt", None, None), 1.0)
+    grouped.feed(_openai("", None, (5, 4), choices=False), 2.0)
+    assert grouped.count_error(4) is None
+    assert "reported 4 completion tokens" in grouped.count_error(3)
