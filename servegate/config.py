@@ -430,6 +430,11 @@ class GateConfig(_Model):
     store: StoreConfig = Field(default_factory=StoreConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
     output_dir: str = Field("runs", description="run folders are created under this folder")
+    max_wall_s: Seconds = Field(4 * 3600.0, description=(
+        "the gate's deadline from its start: a stage still running then is stopped (its worker with it) and "
+        "the stages left are not measured; the verdict is inconclusive"))
+    stage_max_s: Seconds = Field(3600.0, description=(
+        "longest any one stage may run (launch, warm-up, a flush, a measurement); past it, as for max_wall_s"))
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 

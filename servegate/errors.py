@@ -17,6 +17,7 @@ Each message says what went wrong *and what to do next*.
     │   ├── MetricsError            /metrics missing, malformed, or a gauge absent
     │   ├── InsufficientDataError   too few samples to decide
     │   ├── ModelUnavailableError   model not cached and cannot be fetched
+    │   ├── DeadlineError           a stage or the gate ran past stage_max_s / max_wall_s
     │   └── StageError              a stage could not produce its measurement (e.g. warmup failed)
     └── ValidationSetupError        an expectation suite is missing or malformed  -> exit 2
 
@@ -38,6 +39,7 @@ __all__ = [
     "MetricsError",
     "InsufficientDataError",
     "ModelUnavailableError",
+    "DeadlineError",
     "StageError",
     "ValidationSetupError",
 ]
@@ -85,6 +87,10 @@ class InsufficientDataError(InfraError):
 
 class ModelUnavailableError(InfraError):
     """The model is not in the local cache and cannot be fetched."""
+
+
+class DeadlineError(InfraError):
+    """A stage or the whole gate ran past its deadline (``stage_max_s``, ``max_wall_s``)."""
 
 
 class StageError(InfraError):

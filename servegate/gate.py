@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import pandas as pd
 from servegate.config import GateConfig
 from servegate.engines import get_engine
 from servegate.engines.base import Engine
-from servegate.errors import ConfigError, InfraError, ServegateError, WorkerDiedError
+from servegate.errors import ConfigError, DeadlineError, InfraError, ServegateError, WorkerDiedError
 from servegate.proctree import exit_on_sigterm, guard_process_tree
 
 __all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "STAGE_NEEDS", "StageOutcome", "call_flow", "device_slot_limit",
@@ -147,6 +148,8 @@ class GateRun:
         self.attempt_of: str | None = None  # the recorded run this one re-runs (servegate rerun)
         self.calibration: dict[str, Any] | None = None  # the key's calibration summary (compare stage)
         self.device_slot = contextlib.ExitStack()  # the held device slot (hold_device_slot), released by close()
+        self.deadline = time.monotonic() + config.max_wall_s
+        self.overrun: str | None = None  # set (from a timer thread) when a stage ran past its deadline
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -196,6 +199,8 @@ class GateRun:
         A measurement stage needs a live worker and a successful flush just before it:
         measuring a worker that is not idle with a cold cache measures something else.
         """
+        if self.overrun is not None:
+            return self.overrun
         if self.worker is None:
             return "the worker was never launched (launch failed)"
         if not self.worker.is_alive():
@@ -211,6 +216,8 @@ class GateRun:
 
     def check_worker(self, stage: str) -> None:
         """A stage that ran while the worker died measured a dying server: infra, not data."""
+        if self.overrun is not None:
+            raise DeadlineError(self.overrun)
         if self.worker is not None and not self.closed and not self.worker.is_alive():
             raise WorkerDiedError(
                 f"the worker exited (code {self.worker.returncode}) during {stage}; its measurements are kept in "
@@ -246,7 +253,10 @@ class GateRun:
         """Time a stage and record how it ended; infra failures are recorded, then re-raised."""
         outcome = StageOutcome(stage, "ok")
         started = time.perf_counter()
+        timer = self._arm_deadline(stage)
         try:
+            if self.overrun is not None and not self.closed:
+                raise DeadlineError(self.overrun)
             yield outcome
             self.check_worker(stage)
         except BaseException as exc:
@@ -255,13 +265,46 @@ class GateRun:
             self.infra_errors.append(f"{stage}: {outcome.error}")
             raise
         finally:
+            timer.cancel()
             outcome.duration_s = time.perf_counter() - started
             self.stages[stage] = outcome
             self._write_stages(outcome)
 
+    def _arm_deadline(self, stage: str) -> threading.Timer:
+        """A timer that ends ``stage`` when it runs past ``stage_max_s`` or the gate's ``max_wall_s``.
+
+        It stops the worker: whatever the stage waits on then fails at once (a hung server, a drip,
+        a stuck decode), and every later stage is blocked. Socket timeouts alone cannot bound a
+        stage: a server may answer one byte at a time.
+        """
+        stage_limit = self.config.stage_max_s
+        gate_left = self.deadline - time.monotonic()
+        if gate_left < stage_limit:
+            why = (f"the gate ran past its deadline (max_wall_s = {self.config.max_wall_s:g} s) during {stage}; "
+                   f"raise max_wall_s if the gate needs longer, or find what hung (worker log)")
+        else:
+            why = (f"{stage} ran past stage_max_s = {stage_limit:g} s; raise stage_max_s if it needs longer, "
+                   f"or find what hung (worker log)")
+        timer = threading.Timer(max(0.0, min(stage_limit, gate_left)), self._overran, args=(why,))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _overran(self, why: str) -> None:
+        if self.overrun is None:
+            self.overrun = why
+        logger.error("%s: stopping the worker", why)
+        if self.worker is not None:
+            try:
+                self.worker.stop()
+            except InfraError as exc:
+                logger.error("stopping the worker after a deadline failed: %s", exc)
+
     def _describe_failure(self, stage: str, exc: BaseException) -> str:
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit(143), Prefect's TerminationSignal
             return f"interrupted ({'Ctrl-C' if isinstance(exc, KeyboardInterrupt) else 'SIGTERM'}) during {stage}"
+        if self.overrun is not None and not isinstance(exc, DeadlineError):
+            return f"DeadlineError: {self.overrun} (the stage then failed with {type(exc).__name__}: {exc})"
         message = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, ServegateError):
             message = f"internal error ({message}); this is a servegate bug, please report it with the run folder"

@@ -130,3 +130,29 @@ def test_external_engine_stages_it_cannot_serve_are_not_applicable(prefect_harne
         assert f"flush:{stage}" not in stages, stages
     assert verdict["status"] == "pass", json.dumps(verdict, indent=1)
     assert {"occupancy_summary", "quality_accuracy"} <= set(verdict["not_applicable"]), verdict
+
+
+def test_a_stage_past_its_deadline_is_stopped_and_the_gate_cannot_decide(prefect_harness, tmp_path: Path,
+                                                                        monkeypatch):
+    """A worker slowed to a crawl: the occupancy stage's long request passes stage_max_s, its worker is
+    stopped, and the gate ends in bounded time as inconclusive (not a 30-minute hang)."""
+    import time
+
+    monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
+    started = time.monotonic()
+    result = regression_gate(profile="smoke", overrides=[
+        *TINY, f"output_dir={tmp_path}", "stage_max_s=8", "report.html=false", "one_batch.batch_sizes=[1]",
+        # 0.2 s per forward pass: occupancy's 400-token request would take 80 s
+        'worker.extra_args=["--fault-decode-delay-ms", "200"]', "warmup.max_new_tokens=1",
+        "one_batch.output_lens=[2]", "serving.num_prompts=2", "serving.random_output_len=2"])
+    elapsed = time.monotonic() - started
+    verdict = result["verdict"]
+    assert verdict["status"] == "inconclusive", json.dumps(verdict, indent=1)
+    stages = json.loads((Path(result["run_dir"]) / "stages.json").read_text())
+    assert stages["serving"]["status"] == "ok", stages["serving"]
+    occupancy = stages["occupancy"]
+    assert occupancy["status"] == "failed" and occupancy["error"].startswith("DeadlineError: occupancy ran past "
+                                                                             "stage_max_s = 8 s"), occupancy
+    assert occupancy["duration_s"] < 8 + 15, occupancy
+    assert any("stage_max_s" in e for e in verdict["infra_errors"]), verdict["infra_errors"]
+    assert elapsed < 150, f"the gate took {elapsed:.0f} s"
