@@ -443,8 +443,38 @@ def _run_coroutine(coro: Any) -> Any:
     already runs an event loop (e.g. a notebook)."""
 
     def run() -> Any:
+        # A signal handler's exception (Prefect's TerminationSignal on SIGTERM, KeyboardInterrupt)
+        # raised while the loop runs a callback is caught by the loop and logged, and the load
+        # went on to a verdict of pass. Such an exception (a BaseException that is not an
+        # Exception) now stops the load and is raised again here.
+        interrupted: list[BaseException] = []
+        main: asyncio.Task | None = None
+
+        async def guarded() -> Any:
+            nonlocal main
+            main = asyncio.current_task()
+            return await coro
+
+        def on_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            exc = context.get("exception")
+            if exc is not None and not isinstance(exc, Exception):
+                interrupted.append(exc)
+                if main is not None:
+                    main.cancel()
+                return
+            loop.default_exception_handler(context)
+
         with asyncio.Runner(loop_factory=_new_event_loop) as runner:
-            return runner.run(coro)
+            runner.get_loop().set_exception_handler(on_error)
+            try:
+                result = runner.run(guarded())
+            except asyncio.CancelledError:
+                if interrupted:
+                    raise interrupted[0] from None
+                raise
+            if interrupted:
+                raise interrupted[0]
+            return result
 
     try:
         asyncio.get_running_loop()
