@@ -19,6 +19,7 @@ Each message says what went wrong *and what to do next*.
     │   ├── ModelUnavailableError   model not cached and cannot be fetched
     │   ├── DeadlineError           a stage or the gate ran past stage_max_s / max_wall_s
     │   └── StageError              a stage could not produce its measurement (e.g. warmup failed)
+    │       └── RequestDeadlineError  one request did not end within its deadline (stalled, dripping)
     └── ValidationSetupError        an expectation suite is missing or malformed  -> exit 2
 
 A *regression* is not an exception: it is a verdict (``fail``, exit 1) built from
@@ -41,6 +42,7 @@ __all__ = [
     "ModelUnavailableError",
     "DeadlineError",
     "StageError",
+    "RequestDeadlineError",
     "ValidationSetupError",
 ]
 
@@ -95,6 +97,10 @@ class DeadlineError(InfraError):
 
 class StageError(InfraError):
     """A stage could not produce its measurement."""
+
+
+class RequestDeadlineError(StageError):
+    """One HTTP request did not end (send to last byte) within its deadline: a stalled or dripping server."""
 
 
 class ValidationSetupError(ServegateError):

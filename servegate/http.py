@@ -28,12 +28,11 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from servegate.errors import ServerUnreachableError, StageError
+from servegate.errors import RequestDeadlineError, ServerUnreachableError, StageError
 
 __all__ = [
     "make_session",
     "join_url",
-    "unreachable_as_error",
     "request_within",
     "stream_within",
     "served_model_name",
@@ -127,11 +126,11 @@ def make_session(api_key: str | None = None) -> requests.Session:
     return session
 
 
-def _deadline_error(what: str, limit_s: float, started: float, setting: str | None) -> StageError:
+def _deadline_error(what: str, limit_s: float, started: float, setting: str | None) -> RequestDeadlineError:
     elapsed = time.monotonic() - started
     todo = (f"raise {setting} if the server is only slow" if setting
             else "this limit is fixed; the endpoint should answer in well under it")
-    return StageError(f"{what} did not complete within its deadline of {limit_s:g} s (from sending the request "
+    return RequestDeadlineError(f"{what} did not complete within its deadline of {limit_s:g} s (from sending the request "
                       f"to its last byte; {elapsed:.1f} s had passed): the server stalled or is sending too "
                       f"slowly — read the worker log; {todo}")
 
@@ -206,27 +205,6 @@ def request_within(session: requests.Session, method: str, url: str, *, limit_s:
 def join_url(base: str, path: str) -> str:
     """``base`` and ``path`` joined by exactly one slash (``path`` may carry a query string)."""
     return base.rstrip("/") + "/" + path.lstrip("/")
-
-
-@contextlib.contextmanager
-def unreachable_as_error(url: str, hint: str = "") -> Iterator[None]:
-    """Map connection errors and timeouts raised inside the block to ``ServerUnreachableError``.
-
-    Only transport failures are mapped; HTTP status codes are for the caller to judge. For
-    control calls (readiness, flush); requests to the model use ``request_within``.
-    """
-    try:
-        yield
-    except requests.Timeout as exc:
-        raise ServerUnreachableError(
-            f"no answer from {url} within the timeout ({type(exc).__name__}); "
-            f"{hint or 'check that the server is running and not overloaded, or raise the timeout'}"
-        ) from exc
-    except requests.RequestException as exc:
-        raise ServerUnreachableError(
-            f"could not reach {url}: {exc}; "
-            f"{hint or 'check that the server is running and the URL (host, port) is right'}"
-        ) from exc
 
 
 def body_excerpt(response: requests.Response, limit: int = 500) -> str:

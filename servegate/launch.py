@@ -41,7 +41,8 @@ import requests
 
 from servegate.config import WorkerSpec
 from servegate.engines import Engine, get_engine
-from servegate.errors import ConfigError, WorkerDiedError, WorkerLaunchError, WorkerOOMError
+from servegate.errors import (ConfigError, ServerUnreachableError, StageError, WorkerDiedError, WorkerLaunchError,
+                              WorkerOOMError)
 from servegate.http import make_session
 from servegate.proctree import end_session, exit_on_sigterm, guard_process_tree, watch_group
 
@@ -241,7 +242,7 @@ def _wait_ready(handle: WorkerHandle, session: requests.Session, timeout_s: floa
             if handle.engine.is_ready(session, handle.base_url, min(remaining, PROBE_TIMEOUT_S)):
                 return
             last_probe = "answered, but not ready"
-        except requests.RequestException as exc:
+        except (requests.RequestException, ServerUnreachableError, StageError) as exc:
             last_probe = f"{type(exc).__name__}"  # connection refused while the server starts
         pause = min(delay, max(0.0, deadline - time.monotonic()))
         delay = min(delay * 1.5, MAX_BACKOFF_S)

@@ -22,6 +22,7 @@ import requests
 
 from servegate.config import REDACTED, WorkerSpec
 from servegate.errors import ConfigError
+from servegate.http import request_within
 
 __all__ = ["Engine", "ServerCapacity", "Protocol", "user_env"]
 
@@ -92,11 +93,11 @@ class Engine(abc.ABC):
     def is_ready(self, session: requests.Session, base_url: str, timeout_s: float) -> bool:
         """One readiness probe: ``GET readiness_path`` answers 200.
 
-        Transport errors (connection refused while the server starts) propagate as
-        ``requests`` exceptions; the caller (launch) owns retries and their mapping.
+        Transport errors (connection refused while the server starts) and a probe that does not
+        end within ``timeout_s`` (a server dripping bytes) raise ``ServerUnreachableError`` /
+        ``StageError``; the caller (launch) owns retries.
         """
-        response = session.get(base_url.rstrip("/") + self.readiness_path, timeout=timeout_s)
-        return response.status_code == 200
+        return probe(session, base_url.rstrip("/") + self.readiness_path, timeout_s).status_code == 200
 
     @abc.abstractmethod
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,
@@ -111,6 +112,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
         """Token capacity and max running requests from the server's info endpoint."""
+
+
+def probe(session: requests.Session, url: str, timeout_s: float) -> requests.Response:
+    """One readiness request, ended within ``timeout_s`` from send to last byte."""
+    return request_within(session, "GET", url, limit_s=timeout_s, what=f"readiness probe (GET {url})",
+                          setting="worker.ready_timeout_s")
 
 
 def user_env(spec: WorkerSpec) -> dict[str, str]:

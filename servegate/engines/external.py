@@ -15,10 +15,10 @@ from typing import ClassVar
 import requests
 
 from servegate.config import WorkerSpec
-from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.engines.base import Engine, Protocol, ServerCapacity, probe
 from servegate.engines.sglang import fetch_sglang_server_info, parse_server_info
 from servegate.errors import ConfigError, FlushError
-from servegate.http import body_excerpt, join_url, unreachable_as_error
+from servegate.http import body_excerpt, join_url, request_within
 
 __all__ = ["ExternalEngine"]
 
@@ -47,17 +47,17 @@ class ExternalEngine(Engine):
                           "pick engine embedded, sglang or vllm to launch a server")
 
     def is_ready(self, session: requests.Session, base_url: str, timeout_s: float) -> bool:
-        response = session.get(join_url(base_url, "/health"), timeout=timeout_s)
+        response = probe(session, join_url(base_url, "/health"), timeout_s)
         if response.status_code in _NO_ROUTE:
-            response = session.get(join_url(base_url, "/v1/models"), timeout=timeout_s)
+            response = probe(session, join_url(base_url, "/v1/models"), timeout_s)
         return response.status_code == 200
 
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,
               request_timeout_s: float | None = None) -> bool:
         url = join_url(base_url, "/flush_cache")
         http_timeout = request_timeout_s if request_timeout_s is not None else timeout_s + 30.0
-        with unreachable_as_error(url):
-            response = session.post(url, timeout=http_timeout)
+        response = request_within(session, "POST", url, limit_s=http_timeout, what=f"flush (POST {url})",
+                                  setting="flush.request_timeout_s")
         if response.status_code == 200:
             return True
         if response.status_code in _NO_ROUTE:

@@ -15,7 +15,7 @@ import requests
 from servegate.config import WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError, StageError
-from servegate.http import body_excerpt, join_url, json_body, unreachable_as_error
+from servegate.http import body_excerpt, join_url, json_body, request_within
 
 __all__ = ["SGLangEngine", "SGLANG_METRIC_NAMES", "parse_server_info", "fetch_sglang_server_info", "sglang_flush"]
 
@@ -82,8 +82,8 @@ def fetch_sglang_server_info(session: requests.Session, base_url: str,
     """The server-info document from ``/server_info`` or ``/get_server_info``; None when both are 404."""
     for path in SERVER_INFO_PATHS:
         url = join_url(base_url, path)
-        with unreachable_as_error(url):
-            response = session.get(url, timeout=timeout_s)
+        response = request_within(session, "GET", url, limit_s=timeout_s, what=f"server info (GET {url})",
+                                  setting=None, hint="check that the server is up")
         if response.status_code == 404:
             continue
         if response.status_code != 200:
@@ -102,10 +102,11 @@ def sglang_flush(session: requests.Session, base_url: str, timeout_s: float,
     """``POST /flush_cache?timeout=T``: 200 flushed, 400 still busy after T seconds."""
     url = join_url(base_url, "/flush_cache")
     http_timeout = request_timeout_s if request_timeout_s is not None else timeout_s + 30.0
-    with unreachable_as_error(url, f"the flush waits up to {timeout_s:g} s for idle; "
-                                   f"raise flush.request_timeout_s if the server is slow to answer"):
-        # `:g` so that 60.0 goes out as "60": servers that declare the parameter int accept it too.
-        response = session.post(url, params={"timeout": f"{timeout_s:g}"}, timeout=http_timeout)
+    # `:g` so that 60.0 goes out as "60": servers that declare the parameter int accept it too.
+    response = request_within(session, "POST", url, params={"timeout": f"{timeout_s:g}"}, limit_s=http_timeout,
+                              what=f"flush (POST {url})", setting="flush.request_timeout_s",
+                              hint=f"the flush waits up to {timeout_s:g} s for idle; raise flush.request_timeout_s "
+                                   f"if the server is slow to answer")
     if response.status_code == 200:
         return True
     if response.status_code == 400:

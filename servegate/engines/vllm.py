@@ -20,7 +20,7 @@ from servegate.config import WorkerSpec
 from servegate.engine_install import resolve_engine_python
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError
-from servegate.http import body_excerpt, join_url, unreachable_as_error
+from servegate.http import body_excerpt, join_url, request_within
 from servegate.worker.model import MODEL_ALIASES, ensure_model
 
 __all__ = ["VLLMEngine", "VLLM_METRIC_NAMES"]
@@ -108,8 +108,8 @@ class VLLMEngine(Engine):
         http_timeout = request_timeout_s if request_timeout_s is not None else timeout_s + 30.0
         deadline = time.monotonic() + timeout_s
         while True:
-            with unreachable_as_error(url):
-                response = session.post(url, timeout=http_timeout)
+            response = request_within(session, "POST", url, limit_s=http_timeout, what=f"flush (POST {url})",
+                                      setting="flush.request_timeout_s")
             if response.status_code == 404:
                 raise FlushError(
                     f"vLLM has no /reset_prefix_cache (POST {url} -> 404); start the server with env "

@@ -128,6 +128,9 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+_GENERATION_ROUTES = {"/generate", "/v1/completions", "/v1/models"}
+
+
 def make_app(state: SimState) -> FastAPI:
     app = FastAPI()
 
@@ -138,6 +141,10 @@ def make_app(state: SimState) -> FastAPI:
         if (state.api_key and not path.startswith("/health") and not path.startswith("/metrics")
                 and request.headers.get("authorization") != f"Bearer {state.api_key}"):
             return JSONResponse({"error": {"message": "invalid api key"}}, status_code=401)
+        # Control routes (health, flush, server info) drip here; generation routes call drip()
+        # themselves, after reading the body, so that what they were asked is recorded.
+        if path in state.drip_routes and path not in _GENERATION_ROUTES:
+            return drip(request)
         return await call_next(request)
 
     def drip(request: Request, byte: bytes = b" ") -> Response | None:

@@ -11,7 +11,7 @@ import pytest
 from servegate.bench.flush import flush_until_idle
 from servegate.config import FlushConfig
 from servegate.engines import EmbeddedEngine, ExternalEngine, SGLangEngine, VLLMEngine
-from servegate.errors import FlushError, ServerUnreachableError, StageError
+from servegate.errors import FlushError, RequestDeadlineError, ServerUnreachableError, StageError
 from servegate.http import make_session
 from servegate.launch import free_port
 
@@ -43,9 +43,9 @@ def test_sglang_flush_still_busy_is_a_flush_error(srv: FakeServer) -> None:
     assert srv.requests_to("/flush_cache")[0].query == {"timeout": ["0.5"]}
 
 
-def test_flush_http_timeout_is_unreachable(srv: FakeServer) -> None:
+def test_flush_http_timeout_is_a_request_deadline(srv: FakeServer) -> None:
     srv.state.busy_until = time.monotonic() + 30
-    with pytest.raises(ServerUnreachableError, match="flush.request_timeout_s"):
+    with pytest.raises(RequestDeadlineError, match="flush.request_timeout_s"):
         flush_until_idle(srv.url, SGLangEngine(), FlushConfig(timeout_s=5, request_timeout_s=0.3))
 
 
