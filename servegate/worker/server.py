@@ -136,8 +136,8 @@ def build_app(state: WorkerState) -> FastAPI:
         return None
 
     # ------------------------------------------------------------------ helpers
-    def text_of(req: Request) -> str:
-        text = state.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    def text_of(req: Request, ids: list[int]) -> str:
+        text = state.tokenizer.decode(ids, skip_special_tokens=True)
         reason = req.finish_reason or {}
         matched = reason.get("matched")
         if reason.get("type") == "stop" and isinstance(matched, str):
@@ -146,12 +146,12 @@ def build_app(state: WorkerState) -> FastAPI:
                 text = text[:cut]
         return text
 
-    def meta_of(req: Request) -> dict[str, Any]:
+    def meta_of(req: Request, ids: list[int]) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": req.finish_reason if req.finished else None,
             "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": len(req.output_ids),
+            "completion_tokens": len(ids),
             "cached_tokens": req.cached_tokens,
             "e2e_latency": req.e2e_latency(),
         }
@@ -162,14 +162,17 @@ def build_app(state: WorkerState) -> FastAPI:
                 return [[lp, tok, None] for lp, tok in items]
 
             meta["input_token_logprobs"] = triples(req.input_token_logprobs)
-            meta["output_token_logprobs"] = triples(req.output_token_logprobs[:len(req.output_ids)])
+            meta["output_token_logprobs"] = triples(req.output_token_logprobs[:len(ids)])
             if req.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = [None if t is None else triples(t) for t in req.input_top_logprobs]
-                meta["output_top_logprobs"] = [triples(t) for t in req.output_top_logprobs[:len(req.output_ids)]]
+                meta["output_top_logprobs"] = [triples(t) for t in req.output_top_logprobs[:len(ids)]]
         return meta
 
     def result_of(req: Request, index: int | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"text": text_of(req), "output_ids": list(req.output_ids), "meta_info": meta_of(req)}
+        # One snapshot: the engine thread appends to output_ids while this chunk is built, and a
+        # chunk whose text, ids and completion_tokens disagree reads as a lying server.
+        ids = list(req.output_ids)
+        out: dict[str, Any] = {"text": text_of(req, ids), "output_ids": ids, "meta_info": meta_of(req, ids)}
         if index is not None:
             out["index"] = index
         return out
@@ -483,7 +486,7 @@ def build_app(state: WorkerState) -> FastAPI:
             texts = [""] * len(reqs)
 
             def render(req: Request, index: int, _sent: int) -> bytes:
-                text = text_of(req)
+                text = text_of(req, list(req.output_ids))
                 delta, texts[index] = text[len(texts[index]):], text
                 finish = openai_finish(req)
                 if chat:
@@ -507,10 +510,11 @@ def build_app(state: WorkerState) -> FastAPI:
         if errors:
             return _error(errors[0], 500)
         if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text_of(r)},
+            choices = [{"index": i, "message": {"role": "assistant", "content": text_of(r, list(r.output_ids))},
                         "finish_reason": openai_finish(r)} for i, r in enumerate(reqs)]
         else:
-            choices = [{"index": i, "text": (state.tokenizer.decode(r.input_ids) if echo else "") + text_of(r),
+            choices = [{"index": i,
+                        "text": (state.tokenizer.decode(r.input_ids) if echo else "") + text_of(r, list(r.output_ids)),
                         "logprobs": openai_logprobs(r, echo) if r.return_logprob else None,
                         "finish_reason": openai_finish(r)} for i, r in enumerate(reqs)]
         return _json({"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
