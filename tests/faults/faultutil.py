@@ -148,11 +148,11 @@ def db_state(tmp_path: Path) -> DbState:
         integrity = con.execute("PRAGMA integrity_check").fetchone()[0]
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         runs = con.execute("SELECT count(*) FROM runs").fetchone()[0] if "runs" in tables else 0
-        if "runs" in tables and "run_tables" in tables:
-            # recorded whole: every recorded run has its tables
-            orphans = con.execute("SELECT count(*) FROM runs r WHERE NOT EXISTS "
-                                  "(SELECT 1 FROM run_tables t WHERE t.run_id = r.run_id)").fetchone()[0]
-            assert orphans == 0, f"{orphans} run(s) recorded without their tables"
+        if "run_tables" in tables and "table_rows" in tables:
+            # recorded whole: every table a run lists has all its rows
+            short = con.execute("SELECT count(*) FROM run_tables t WHERE t.n_rows != (SELECT count(*) FROM "
+                                "table_rows r WHERE r.run_id = t.run_id AND r.table_name = t.table_name)").fetchone()[0]
+            assert short == 0, f"{short} recorded table(s) miss rows"
     finally:
         con.close()
     return DbState(True, integrity, runs)

@@ -15,7 +15,12 @@ Misbehaviours, for the gate's own fault tests (issue 11):
   ``usage.completion_tokens`` (per chunk and final) are that many times what was streamed
   (with ``stop_after_tokens``, a lie that stays under what the request asked for);
 - ``drip_routes``: those paths answer 200 and then send one byte every ``drip_interval_s``,
-  forever (a stalled server that never trips a per-read timeout).
+  forever (a stalled server that never trips a per-read timeout);
+- ``hang_routes``: those paths never answer at all;
+- ``error_burst`` / ``generate_status`` / ``error_body``: server errors (a burst of 503s, every
+  request failing, an HTML error page);
+- ``garbage_stream``: streamed chunks that are not JSON; ``cut_stream_after_tokens``: streams that
+  stop without ``[DONE]``; ``model``: any served model name (HTML included).
 
 Run it in a thread: ``with SimServer(SimState(...)) as sim: sim.base_url``.
 """
@@ -66,6 +71,17 @@ class SimState:
     """Drip responses started (read by tests)."""
     generate_status: int | None = None
     """When set, every generation request answers this HTTP status with an error body."""
+    error_burst: tuple[int, int] | None = None
+    """``(start, count)``: generation requests number start .. start+count-1 (0-based) answer 503, a
+    burst of server errors in the middle of a run; the others serve."""
+    generations: int = 0
+    """Generation requests received (read by tests)."""
+    error_body: str | None = None
+    """Body of the error answers (default a JSON error); e.g. an HTML page a proxy would send."""
+    garbage_stream: bool = False
+    """Streamed chunks are ``data: <html>...`` lines, not JSON (a proxy's error page mid-stream)."""
+    hang_routes: set[str] = field(default_factory=set)
+    """Paths that never answer at all: not a status line, not a byte."""
     cut_stream_after_tokens: int | None = None
     """When set, streams stop (no [DONE]) after this many tokens: a worker dying mid-stream."""
     openai_continuous_usage: bool = True
@@ -128,6 +144,10 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def _garbage(_obj: Any) -> bytes:
+    return b"data: <html><body>502 Bad Gateway</body></html>\n\n"
+
+
 _GENERATION_ROUTES = {"/generate", "/v1/completions", "/v1/models"}
 
 
@@ -145,6 +165,8 @@ def make_app(state: SimState) -> FastAPI:
         # themselves, after reading the body, so that what they were asked is recorded.
         if path in state.drip_routes and path not in _GENERATION_ROUTES:
             return drip(request)
+        if path in state.hang_routes:
+            await asyncio.sleep(3600)
         return await call_next(request)
 
     def drip(request: Request, byte: bytes = b" ") -> Response | None:
@@ -233,10 +255,16 @@ def make_app(state: SimState) -> FastAPI:
             state.active -= 1
 
     def error_status() -> Response | None:
-        if state.generate_status is not None:
-            return JSONResponse({"error": {"message": f"simulated failure {state.generate_status}"}},
-                                status_code=state.generate_status)
-        return None
+        status = state.generate_status
+        n = state.generations
+        state.generations += 1
+        if status is None and state.error_burst is not None and 0 <= n - state.error_burst[0] < state.error_burst[1]:
+            status = 503
+        if status is None:
+            return None
+        if state.error_body is not None:
+            return Response(state.error_body, status_code=status, media_type="text/html")
+        return JSONResponse({"error": {"message": f"simulated failure {status}"}}, status_code=status)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -269,7 +297,8 @@ def make_app(state: SimState) -> FastAPI:
             return out
 
         if body.get("stream"):
-            gen = run_steps(prompt_lens, max_new, lambda i, s, last: [_sse(chunk(i, s, last))],
+            sse = _garbage if state.garbage_stream else _sse
+            gen = run_steps(prompt_lens, max_new, lambda i, s, last: [sse(chunk(i, s, last))],
                             lambda: [b"data: [DONE]\n\n"])
             return StreamingResponse(gen, media_type="text/event-stream")
         await run_blocking(max_new)
@@ -318,7 +347,8 @@ def make_app(state: SimState) -> FastAPI:
             return tail
 
         if body.get("stream"):
-            gen = run_steps(prompt_lens, max_new, lambda i, s, last: [_sse(chunk(i, s, last))], done)
+            sse = _garbage if state.garbage_stream else _sse
+            gen = run_steps(prompt_lens, max_new, lambda i, s, last: [sse(chunk(i, s, last))], done)
             return StreamingResponse(gen, media_type="text/event-stream")
         await run_blocking(max_new)
         n_out = max_new * len(prompt_lens) * state.claim_factor
