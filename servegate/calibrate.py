@@ -58,7 +58,8 @@ from servegate.calibrate_cli import CalibrationPlan
 from servegate.config import GateConfig
 from servegate.errors import ConfigError, InfraError
 from servegate.gate import MEASUREMENT_STAGES
-from servegate.verdict import TABLE_STAGE, percent_text
+from servegate.tables import TABLE_STAGE
+from servegate.verdict import percent_text
 
 __all__ = [
     "CalibrationPlan",

@@ -64,11 +64,11 @@ from scipy import stats
 from servegate.baseline import Baseline, BaselinePolicy, resolve_baseline
 from servegate.errors import ConfigError
 from servegate.store import GateKey, Store
+from servegate.tables import COMPARISON_COLUMNS
 
 __all__ = [
     "GatedMetric",
     "GATED_METRICS",
-    "COMPARISON_COLUMNS",
     "DECISIONS",
     "DEFAULT_BOUND",
     "DEFAULT_TAIL_BOUND",
@@ -97,17 +97,6 @@ MAX_SAMPLES_PER_SIDE = 1_000_000
 
 Direction = Literal["lower_is_better", "higher_is_better"]
 DECISIONS = ("regression", "improvement", "no_change", "inconclusive", "insufficient_data", "report_only")
-
-COMPARISON_COLUMNS = [
-    "metric", "table", "case", "statistic", "unit", "direction",
-    "baseline_median", "current_median", "baseline_value", "current_value",
-    "ratio", "ci_low", "ci_high", "confidence", "n_baseline", "n_current", "n_baseline_runs",
-    "bound", "gated", "decision", "reason", "baseline_policy", "baseline_runs", "run_sd",
-    "false_alarm_upper95", "min_detectable",
-]
-"""``run_sd``: the between-run noise term used; ``false_alarm_upper95`` and ``min_detectable``:
-the key's latest ``servegate calibrate`` figures for the row (NaN when uncalibrated)."""
-
 
 @dataclass(frozen=True)
 class GatedMetric:

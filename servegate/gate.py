@@ -155,7 +155,12 @@ class GateRun:
     @classmethod
     def open(cls, config: GateConfig) -> "GateRun":
         from servegate.results import RunFolder
+        from servegate.validate import load_suites
 
+        # A suite that cannot run (a typo in a type or a column) is found now, not after the
+        # measurements: nothing is launched and no run folder is made.
+        load_suites(config.validate_.expectation_profile,
+                    Path(config.validate_.expectations_dir) if config.validate_.expectations_dir else None)
         held = hold_device_slot()  # before the folder: started_at is when the device became ours
         try:
             folder = RunFolder.create(Path(config.output_dir), config.name)

@@ -38,12 +38,12 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servegate.errors import ValidationSetupError
+from servegate.tables import KNOWN_TABLES, TABLES
 
 if TYPE_CHECKING:  # pragma: no cover
     import great_expectations as gx
 
 __all__ = [
-    "KNOWN_TABLES",
     "ExpectationSpec",
     "TableSuiteSpec",
     "SuiteFile",
@@ -54,10 +54,6 @@ __all__ = [
     "load_suites",
     "validate_tables",
 ]
-
-KNOWN_TABLES = ("one_batch", "serving_requests", "serving_summary", "occupancy_samples", "occupancy_summary",
-                "comparison", "quality_accuracy", "quality_items", "quality_agreement", "quality_agreement_rows")
-"""Tables a suite may name (docs/contracts.md "Tables"). Add a name here when a stage adds a table."""
 
 TABLE_NOT_PRODUCED = "table not produced"
 _INDEX_KEY = "_servegate_index"  # matches GX results back to suite order (GX reorders them)
@@ -237,11 +233,25 @@ def load_suites(profile: str, expectations_dir: Path | None = None) -> dict[str,
     """Load ``expectations/<profile>.json`` as one GX ExpectationSuite per table.
 
     Raises ValidationSetupError when the file is missing, is not JSON, does not follow the
-    format, names an unknown table or expectation type, or has invalid kwargs.
+    format, names an unknown table or expectation type, has invalid kwargs, or names a column
+    its table never has (``servegate.tables``).
     """
     path, suite_file = read_suite_file(profile, expectations_dir)
-    return {table: _build_suite(path, profile, table, spec, with_index=False)
-            for table, spec in suite_file.suites.items()}
+    suites = {table: _build_suite(path, profile, table, spec, with_index=False)
+              for table, spec in suite_file.suites.items()}
+    for table, spec in suite_file.suites.items():
+        known = TABLES[table].columns
+        for i, exp in enumerate(spec.expectations):
+            named = [*_columns_needed(exp.kwargs), *([exp.meta["applies_when"]] if exp.meta.get("applies_when") else [])]
+            unknown = [c for c in named if c not in known]
+            if unknown:
+                close = {c: difflib.get_close_matches(c, known, n=1) for c in unknown}
+                hint = "; ".join(f"{c!r}: did you mean {m[0]!r}?" for c, m in close.items() if m)
+                raise ValidationSetupError(
+                    f"{path}: suites.{table}.expectations[{i}] ({exp.type}) names column(s) {unknown} that the "
+                    f"{TABLES[table].stage} stage never writes to {table}{'; ' + hint if hint else ''}; its columns: "
+                    f"{list(known)} (docs/contracts.md, servegate/tables.py)")
+    return suites
 
 
 # ---- outcome extraction ---------------------------------------------------------------------

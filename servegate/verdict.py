@@ -28,13 +28,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from servegate.tables import TABLE_STAGE
 from servegate.validate import ExpectationOutcome
 
 __all__ = [
     "VERDICT_SCHEMA_VERSION",
     "calibration_text",
     "percent_text",
-    "TABLE_STAGE",
     "Breach",
     "VerdictSummary",
     "Verdict",
@@ -49,20 +49,6 @@ __all__ = [
 ]
 
 VERDICT_SCHEMA_VERSION = "1"
-
-TABLE_STAGE: dict[str, str] = {
-    "one_batch": "one_batch",
-    "serving_requests": "serving",
-    "serving_summary": "serving",
-    "occupancy_samples": "occupancy",
-    "occupancy_summary": "occupancy",
-    "comparison": "compare",
-    "quality_accuracy": "quality",
-    "quality_items": "quality",
-    "quality_agreement": "quality",
-    "quality_agreement_rows": "quality",
-}
-"""The stage that produces each table (stage names as in StageRecord.stage)."""
 
 _EXEMPT_STAGE_STATUS = ("skipped", "not_applicable")
 _EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 2}

@@ -39,9 +39,9 @@ from servegate.errors import (
     StageError,
 )
 from servegate.http import make_session, request_within
+from servegate.tables import SAMPLE_COLUMNS
 
 __all__ = [
-    "SAMPLE_COLUMNS",
     "SCRAPE_DEADLINE_S",
     "OccupancyResult",
     "parse_metrics_page",
@@ -52,9 +52,6 @@ __all__ = [
 
 SCRAPE_DEADLINE_S: Final = 10.0
 """A ``/metrics`` page answers in milliseconds; one that takes this long is a stalled server."""
-
-SAMPLE_COLUMNS: Final = ["t_s", "fwd_occupancy", "spec_accept_length", "token_usage", "num_running_reqs",
-                         "num_queue_reqs", "kv_cache_usage"]
 
 # How label sets (ranks) combine into one value per scrape.
 _AGGREGATE: Final[dict[str, Callable[[list[float]], float]]] = {

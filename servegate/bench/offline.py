@@ -29,20 +29,14 @@ import torch
 from transformers import DynamicCache
 
 from servegate.config import OneBatchConfig
+from servegate.tables import OFFLINE_ONE_BATCH_COLUMNS
 from servegate.worker.model import ensure_model, load_model
 
-__all__ = ["ONE_BATCH_COLUMNS", "run_offline_one_batch"]
+__all__ = ["run_offline_one_batch"]
 
 log = logging.getLogger(__name__)
 
-ONE_BATCH_COLUMNS: list[str] = [
-    "run_name", "mode", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason", "error",
-    "prefill_latency", "prefill_throughput", "median_decode_latency", "median_decode_throughput",
-    "latency", "last_ttft", "ttft_ms", "input_throughput", "output_throughput", "overall_throughput",
-]
-"""Column order of the offline table (the one_batch table of docs/contracts.md plus SGLang's extras)."""
-
-_NUMERIC = ONE_BATCH_COLUMNS[ONE_BATCH_COLUMNS.index("prefill_latency"):]
+_NUMERIC = OFFLINE_ONE_BATCH_COLUMNS[OFFLINE_ONE_BATCH_COLUMNS.index("prefill_latency"):]
 
 # SGLang draws random prompt ids below 10000; kept so that rows compare with its runs.
 _MAX_RANDOM_TOKEN_ID = 10000
@@ -148,7 +142,7 @@ def run_offline_one_batch(model: str, cfg: OneBatchConfig, *, max_total_tokens: 
             warmed_up = _offline_case(lm, cfg, vocab_size, batch_size, input_len, output_len,
                                       row | {"repeat": repeat}, rows, warmed_up)
 
-    table = pd.DataFrame(rows, columns=ONE_BATCH_COLUMNS)
+    table = pd.DataFrame(rows, columns=OFFLINE_ONE_BATCH_COLUMNS)
     table[_NUMERIC] = table[_NUMERIC].astype(float)
     return table
 

@@ -45,16 +45,9 @@ from servegate.config import OneBatchConfig
 from servegate.engines.base import Engine, ServerCapacity
 from servegate.errors import InfraError, StageError
 from servegate.http import make_session, stream_within
+from servegate.tables import ONE_BATCH_COLUMNS
 
-__all__ = ["ONE_BATCH_COLUMNS", "run_one_batch", "capacity_skip_reason"]
-
-ONE_BATCH_COLUMNS: Final = [
-    "run_name", "mode", "protocol", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason",
-    "latency", "last_ttft", "ttft_ms", "first_ttft_ms", "input_throughput", "output_throughput",
-    "overall_throughput", "total_output_tokens", "prefill_latency", "median_decode_latency",
-    "token_capacity", "max_running_requests", "error",
-]
-
+__all__ = ["run_one_batch", "capacity_skip_reason"]
 
 def capacity_skip_reason(batch_size: int, input_len: int, output_len: int, cap: ServerCapacity,
                          skip_token_capacity_check: bool) -> str | None:

@@ -59,16 +59,13 @@ from servegate.errors import (
     StageError,
 )
 from servegate.http import body_excerpt, join_url, json_body, make_session, request_within, served_model_name
+from servegate.tables import ACCURACY_COLUMNS, AGREEMENT_COLUMNS, AGREEMENT_ROW_COLUMNS, ITEM_COLUMNS
 
 __all__ = [
     "DATA_DIR",
     "DEFAULT_DATASET",
     "DEFAULT_REFERENCE_PROMPTS",
     "REFERENCE_SCHEMA_VERSION",
-    "ACCURACY_COLUMNS",
-    "ITEM_COLUMNS",
-    "AGREEMENT_COLUMNS",
-    "AGREEMENT_ROW_COLUMNS",
     "QualityConfig",
     "QualityResult",
     "MCItem",
@@ -96,18 +93,6 @@ DATA_DIR: Final = QUALITY_DATA_DIR
 DEFAULT_DATASET: Final = DATA_DIR / "commonsense_mc.jsonl"
 DEFAULT_REFERENCE_PROMPTS: Final = DATA_DIR / "reference_prompts.json"
 REFERENCE_SCHEMA_VERSION: Final = 1
-
-ACCURACY_COLUMNS: Final = ["n_items", "n_correct", "accuracy", "accuracy_stderr", "accuracy_unnormalised",
-                           "normalisation", "dataset", "dataset_sha256", "protocol", "duration_s"]
-ITEM_COLUMNS: Final = ["item_index", "label", "predicted", "correct", "scores", "sum_logprobs",
-                       "n_ending_tokens", "n_ending_bytes"]
-AGREEMENT_COLUMNS: Final = ["n_prompts", "exact_match_tokens", "exact_match_rate", "n_tokens_compared",
-                            "mean_abs_logprob_diff", "max_abs_logprob_diff", "logprob_tolerance",
-                            "within_tolerance_rate", "reference_source", "reference_model", "duration_s"]
-AGREEMENT_ROW_COLUMNS: Final = ["prompt_id", "n_compared", "first_mismatch_index", "exact_match",
-                                "logprob_comparison", "n_logprobs_compared", "mean_abs_logprob_diff",
-                                "max_abs_logprob_diff", "max_greedy_gap", "within_tolerance", "worker_output_ids",
-                                "reference_output_ids"]
 
 
 @dataclass

@@ -61,19 +61,14 @@ from servegate.config import ServingConfig
 from servegate.engines.base import Engine
 from servegate.errors import InfraError, InsufficientDataError, ServerUnreachableError, StageError
 from servegate.http import make_session
+from servegate.tables import REQUEST_COLUMNS
 
 try:  # uvloop roughly halves the event loop's cost per streamed chunk; optional
     import uvloop
 except ImportError:  # pragma: no cover - depends on the environment
     uvloop = None
 
-__all__ = ["REQUEST_COLUMNS", "ServingResult", "arrival_schedule", "build_requests", "run_serving"]
-
-REQUEST_COLUMNS: Final = [
-    "request_id", "input_tokens", "planned_input_tokens", "output_tokens", "planned_output_tokens",
-    "scheduled_send_s", "dispatched_s", "actual_send_s", "dispatch_lag_ms", "queue_wait_ms",
-    "ttft_ms", "e2e_latency_ms", "tpot_ms", "itls_ms", "finished_s", "success", "error", "error_kind",
-]
+__all__ = ["ServingResult", "arrival_schedule", "build_requests", "run_serving"]
 
 # The arrival gaps get their own random stream, so that they are not the same bits the
 # dataset drew its prompts from with the same seed.

@@ -7,6 +7,7 @@ regression code 1 after a traceback, and no process or half-made run folder left
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -77,3 +78,20 @@ def test_read_only_output_folder_is_bad_input(tmp_path: Path) -> None:
     reason = _reason(proc)
     assert "output_dir" in reason and "internal error" not in reason, reason
     assert not survivors(tmp_path, within_s=20)
+
+
+def test_a_suite_naming_a_column_no_stage_writes_fails_before_anything_starts(tmp_path: Path) -> None:
+    # It used to be found after every measurement (an hour on a GPU nightly), as "not evaluated".
+    suites = tmp_path / "expectations"
+    suites.mkdir()
+    doc = json.loads((REPO / "expectations" / "smoke.json").read_text())
+    doc["suites"]["serving_summary"]["expectations"][0]["kwargs"]["column"] = "p90_ttft_msec"
+    (suites / "smoke.json").write_text(json.dumps(doc))
+    proc = _servegate(tmp_path, "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"), *SLOW_TINY,
+                      "--set", f"validate.expectations_dir={suites}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    reason = _reason(proc)
+    assert "p90_ttft_msec" in reason and "never writes" in reason, reason
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    assert not (tmp_path / "history.db").exists()
+    assert not survivors(tmp_path, within_s=10)

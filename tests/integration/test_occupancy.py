@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from servegate.bench.occupancy import SAMPLE_COLUMNS, run_occupancy, scrape_metrics
+from servegate.bench.occupancy import run_occupancy, scrape_metrics
+from servegate.tables import SAMPLE_COLUMNS
 from servegate.config import OccupancyConfig
 from servegate.engines import SGLangEngine, VLLMEngine
 from servegate.errors import InsufficientDataError, MetricsError, ServerUnreachableError, StageError

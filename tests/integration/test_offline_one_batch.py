@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
-from servegate.bench.offline import ONE_BATCH_COLUMNS, _random_input_ids, _run_case, run_offline_one_batch
+from servegate.bench.offline import _random_input_ids, _run_case, run_offline_one_batch
 from servegate.config import OneBatchConfig
+from servegate.tables import OFFLINE_ONE_BATCH_COLUMNS
 from servegate.worker.model import ensure_model, load_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +35,7 @@ def table() -> pd.DataFrame:
 
 
 def test_one_row_per_case_in_grid_order(table):
-    assert list(table.columns) == ONE_BATCH_COLUMNS
+    assert list(table.columns) == OFFLINE_ONE_BATCH_COLUMNS
     assert CONTRACT_COLUMNS <= set(table.columns)
     assert SGLANG_BENCH_ONE_BATCH_FIELDS <= set(table.columns)
     cases = list(itertools.product(GRID.batch_sizes, GRID.input_lens, GRID.output_lens))

@@ -8,7 +8,8 @@ import time
 import pytest
 import requests
 
-from servegate.bench.one_batch import ONE_BATCH_COLUMNS, run_one_batch
+from servegate.bench.one_batch import run_one_batch
+from servegate.tables import ONE_BATCH_COLUMNS
 from servegate.config import OneBatchConfig
 from servegate.engines import SGLangEngine, VLLMEngine
 from servegate.engines.base import ServerCapacity

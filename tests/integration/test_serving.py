@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servegate.bench.serving import REQUEST_COLUMNS, arrival_schedule, run_serving
+from servegate.bench.serving import arrival_schedule, run_serving
+from servegate.tables import REQUEST_COLUMNS, SERVING_SUMMARY_COLUMNS
 from servegate.config import ServingConfig
 from servegate.engines import SGLangEngine, VLLMEngine
 from servegate.errors import InsufficientDataError, ServerUnreachableError, StageError
@@ -46,6 +47,7 @@ def test_serving_rows_and_summary(sim: SimServer, engine) -> None:
     req, summary = res.requests, res.summary
     assert list(req.columns) == REQUEST_COLUMNS and len(req) == 12
     assert set(SUMMARY_COLUMNS) <= set(summary.columns) and len(summary) == 1
+    assert list(summary.columns) == SERVING_SUMMARY_COLUMNS  # the contract the suites are checked against
     assert req["success"].all() and req["error"].isna().all()
     # Token counts come from the server and match the plan (token ids sent, ignore_eos).
     assert (req["input_tokens"] == req["planned_input_tokens"]).all()

@@ -8,10 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servegate.compare import (COMPARISON_COLUMNS, GATED_METRICS, compare_tables, decide, extract_requests,
-                               extract_samples,
+from servegate.compare import (GATED_METRICS, compare_tables, decide, extract_requests, extract_samples,
                                ratio_ci_median, ratio_ci_quantile)
 from servegate.errors import ConfigError
+from servegate.tables import COMPARISON_COLUMNS
 
 
 def _serving(seed: int, *, n: int = 256, scale: float = 1.0, run_shift: float = 1.0) -> pd.DataFrame:

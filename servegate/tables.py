@@ -1,0 +1,118 @@
+"""The tables a gate run produces: their names, the stage that produces each, and their columns.
+
+This is the contract of ``docs/contracts.md`` ("Tables") as data, written once: the stages build
+their frames with these column lists, the expectation suites are checked against them before a
+gate launches anything (a suite naming a column no stage writes fails at once, not after an hour
+of measurement), and the verdict knows which stage each table comes from.
+
+Tables whose columns are built from data (none today) would list ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["TableSpec", "TABLES", "KNOWN_TABLES", "TABLE_STAGE", "columns", "ONE_BATCH_COLUMNS",
+           "OFFLINE_ONE_BATCH_COLUMNS", "REQUEST_COLUMNS", "SERVING_SUMMARY_COLUMNS", "SAMPLE_COLUMNS",
+           "OCCUPANCY_SUMMARY_COLUMNS", "COMPARISON_COLUMNS", "ACCURACY_COLUMNS", "ITEM_COLUMNS",
+           "AGREEMENT_COLUMNS", "AGREEMENT_ROW_COLUMNS"]
+
+ONE_BATCH_COLUMNS: Final = [
+    "run_name", "mode", "protocol", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason",
+    "latency", "last_ttft", "ttft_ms", "first_ttft_ms", "input_throughput", "output_throughput",
+    "overall_throughput", "total_output_tokens", "prefill_latency", "median_decode_latency",
+    "token_capacity", "max_running_requests", "error",
+]
+OFFLINE_ONE_BATCH_COLUMNS: Final = [
+    "run_name", "mode", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason", "error",
+    "prefill_latency", "prefill_throughput", "median_decode_latency", "median_decode_throughput",
+    "latency", "last_ttft", "ttft_ms", "input_throughput", "output_throughput", "overall_throughput",
+]
+"""``one_batch`` in offline mode (the table of docs/contracts.md plus SGLang's bench_one_batch extras)."""
+
+REQUEST_COLUMNS: Final = [
+    "request_id", "input_tokens", "planned_input_tokens", "output_tokens", "planned_output_tokens",
+    "scheduled_send_s", "dispatched_s", "actual_send_s", "dispatch_lag_ms", "queue_wait_ms",
+    "ttft_ms", "e2e_latency_ms", "tpot_ms", "itls_ms", "finished_s", "success", "error", "error_kind",
+]
+
+_LATENCY_STATS = ("mean", "median", "std", "p90", "p95", "p99", "max")
+
+
+def _latency(name: str) -> list[str]:
+    return [f"{stat}_{name}_ms" for stat in _LATENCY_STATS]
+
+
+SERVING_SUMMARY_COLUMNS: Final = [
+    "completed", "failed", "duration_s", "request_throughput", "input_throughput", "output_throughput",
+    "total_throughput", "total_input_tokens", "total_output_tokens", "concurrency",
+    *_latency("ttft"), *_latency("e2e_latency"), "tpot_itl_applicable", *_latency("tpot"), *_latency("itl"),
+    "goodput", "good_completed", "dispatch_lag_p50_ms", "dispatch_lag_p99_ms", "dispatch_lag_max_ms",
+    "client_fell_behind", "connection_errors", "arrival_ks_pvalue", "scheduled_arrival_ks_pvalue",
+    "arrival_fit_rejected", "client_valid", "arrival", "request_rate", "max_concurrency", "protocol", "num_prompts",
+]
+
+SAMPLE_COLUMNS: Final = ["t_s", "fwd_occupancy", "spec_accept_length", "token_usage", "num_running_reqs",
+                         "num_queue_reqs", "kv_cache_usage"]
+OCCUPANCY_SUMMARY_COLUMNS: Final = [
+    "n_samples", "n_scrapes", "fwd_occupancy_applicable", "fwd_occupancy_median", "fwd_occupancy_min",
+    "spec_accept_length_median", "token_usage_max", "num_running_reqs_max", "num_queue_reqs_max",
+    "kv_cache_usage_max", "speculative_decoding",
+]
+
+COMPARISON_COLUMNS: Final = [
+    "metric", "table", "case", "statistic", "unit", "direction",
+    "baseline_median", "current_median", "baseline_value", "current_value",
+    "ratio", "ci_low", "ci_high", "confidence", "n_baseline", "n_current", "n_baseline_runs",
+    "bound", "gated", "decision", "reason", "baseline_policy", "baseline_runs", "run_sd",
+    "false_alarm_upper95", "min_detectable",
+]
+"""``run_sd``: the between-run noise term used; ``false_alarm_upper95`` and ``min_detectable``:
+the key's latest ``servegate calibrate`` figures for the row (NaN when uncalibrated)."""
+
+ACCURACY_COLUMNS: Final = ["n_items", "n_correct", "accuracy", "accuracy_stderr", "accuracy_unnormalised",
+                           "normalisation", "dataset", "dataset_sha256", "protocol", "duration_s"]
+ITEM_COLUMNS: Final = ["item_index", "label", "predicted", "correct", "scores", "sum_logprobs",
+                       "n_ending_tokens", "n_ending_bytes"]
+AGREEMENT_COLUMNS: Final = ["n_prompts", "exact_match_tokens", "exact_match_rate", "n_tokens_compared",
+                            "mean_abs_logprob_diff", "max_abs_logprob_diff", "logprob_tolerance",
+                            "within_tolerance_rate", "reference_source", "reference_model", "duration_s"]
+AGREEMENT_ROW_COLUMNS: Final = ["prompt_id", "n_compared", "first_mismatch_index", "exact_match",
+                                "logprob_comparison", "n_logprobs_compared", "mean_abs_logprob_diff",
+                                "max_abs_logprob_diff", "max_greedy_gap", "within_tolerance", "worker_output_ids",
+                                "reference_output_ids"]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table: its name, the stage (as in stages.json) that produces it, its columns."""
+
+    name: str
+    stage: str
+    columns: tuple[str, ...]
+    """Every column the stage may write; the offline one_batch table adds its own (see ``columns``)."""
+
+
+TABLES: Final[dict[str, TableSpec]] = {t.name: t for t in (
+    TableSpec("one_batch", "one_batch", tuple(dict.fromkeys([*ONE_BATCH_COLUMNS, *OFFLINE_ONE_BATCH_COLUMNS]))),
+    TableSpec("serving_requests", "serving", tuple(REQUEST_COLUMNS)),
+    TableSpec("serving_summary", "serving", tuple(SERVING_SUMMARY_COLUMNS)),
+    TableSpec("occupancy_samples", "occupancy", tuple(SAMPLE_COLUMNS)),
+    TableSpec("occupancy_summary", "occupancy", tuple(OCCUPANCY_SUMMARY_COLUMNS)),
+    TableSpec("comparison", "compare", tuple(COMPARISON_COLUMNS)),
+    TableSpec("quality_accuracy", "quality", tuple(ACCURACY_COLUMNS)),
+    TableSpec("quality_items", "quality", tuple(ITEM_COLUMNS)),
+    TableSpec("quality_agreement", "quality", tuple(AGREEMENT_COLUMNS)),
+    TableSpec("quality_agreement_rows", "quality", tuple(AGREEMENT_ROW_COLUMNS)),
+)}
+
+KNOWN_TABLES: Final = tuple(TABLES)
+"""Tables a suite may name."""
+TABLE_STAGE: Final = {name: spec.stage for name, spec in TABLES.items()}
+"""The stage that produces each table (stage names as in stages.json)."""
+
+
+def columns(table: str) -> tuple[str, ...]:
+    """The columns ``table`` may have (KeyError for an unknown table)."""
+    return TABLES[table].columns
