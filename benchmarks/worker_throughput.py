@@ -134,7 +134,7 @@ def main() -> int:
 
     import torch
 
-    from servegate.worker.model import ensure_model, load_model
+    from servegate.models import ensure_model, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -105,7 +105,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    from servegate.worker.model import ensure_model, model_identity
+    from servegate.models import ensure_model, model_identity
 
     path = ensure_model(args.model)
     print(json.dumps({"path": str(path), **model_identity(path)}, indent=2))

@@ -26,7 +26,7 @@ from typing import Any
 
 from servegate.errors import ConfigError, InfraError
 from servegate.proctree import end_session, guard_process_tree, watch_group
-from servegate.worker.model import cache_dir
+from servegate.models import cache_dir
 
 __all__ = [
     "EngineRecipe",

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from servegate.config import OneBatchConfig
 from servegate.tables import OFFLINE_ONE_BATCH_COLUMNS
-from servegate.worker.model import ensure_model, load_model
+from servegate.models import ensure_model, load_model
 
 __all__ = ["run_offline_one_batch"]
 
@@ -114,7 +114,7 @@ def run_offline_one_batch(model: str, cfg: OneBatchConfig, *, max_total_tokens: 
                           dtype: str = "bfloat16") -> pd.DataFrame:
     """Run the batch_size x input_len x output_len grid in-process; one row per case.
 
-    ``model`` is a name from ``servegate.worker.model.MODEL_ALIASES`` or a local model
+    ``model`` is a name from ``servegate.models.MODEL_ALIASES`` or a local model
     directory. ``max_total_tokens`` is the KV token capacity the embedded worker would
     have; a case needing more is a ``skipped`` row with its reason (unless
     ``cfg.skip_token_capacity_check``). A case whose forward fails (e.g. out of memory) is a

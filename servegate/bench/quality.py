@@ -221,7 +221,7 @@ def _load_tokenizer(model: str) -> Any:
     """The model's tokenizer: a servegate alias or a local directory, else a Hugging Face id in the cache."""
     from transformers import AutoTokenizer
 
-    from servegate.worker.model import MODEL_ALIASES, ensure_model
+    from servegate.models import MODEL_ALIASES, ensure_model
 
     source = str(ensure_model(model)) if (model in MODEL_ALIASES or Path(model).expanduser().is_dir()) else model
     try:
@@ -444,7 +444,7 @@ def reference_generate(model: Any, prompts: Sequence[Sequence[int]],
 def _reference_outputs(model_name: str, prompts: Sequence[tuple[str, str]], max_new_tokens: int,
                        dtype: str = "float32") -> tuple[list[ReferenceOutput], dict[str, Any], Any]:
     """``(outputs, model identity, loaded model)`` of an in-process greedy run."""
-    from servegate.worker.model import ensure_model, load_model, model_identity
+    from servegate.models import ensure_model, load_model, model_identity
 
     path = ensure_model(model_name)
     model, tokenizer = load_model(path, dtype=dtype)
@@ -548,7 +548,7 @@ def score_items_in_process(model: Any, encoded: Sequence[EncodedItem], *, pad_to
 def run_accuracy_in_process(model: str, cfg: QualityConfig,
                             dtype: str = "bfloat16") -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(accuracy, items)`` for ``model`` scored in this process (no server): for measuring floors."""
-    from servegate.worker.model import ensure_model, load_model
+    from servegate.models import ensure_model, load_model
 
     dataset = Path(cfg.dataset_path).expanduser()
     items = _sample(load_mc_items(dataset), cfg.max_items, cfg.seed)

@@ -21,7 +21,7 @@ from servegate.engine_install import resolve_engine_python
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError
 from servegate.http import body_excerpt, join_url, request_within
-from servegate.worker.model import MODEL_ALIASES, ensure_model
+from servegate.models import MODEL_ALIASES, ensure_model
 
 __all__ = ["VLLMEngine", "VLLM_METRIC_NAMES"]
 

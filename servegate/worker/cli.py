@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     import servegate
     from servegate.worker.engine import kv_bytes_per_token, plan_token_capacity
     from servegate.worker.metrics import WorkerMetrics
-    from servegate.worker.model import ensure_model
+    from servegate.models import ensure_model
     from servegate.worker.server import WorkerState, build_app
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
@@ -192,7 +192,7 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
     import torch
 
     from servegate.worker.engine import Engine, EngineConfig, default_thread_count
-    from servegate.worker.model import load_model
+    from servegate.models import load_model
     from servegate.worker.server import install_crash_fault
 
     if state.faults.startup_oom:

@@ -267,7 +267,7 @@ def test_real_embedded_worker_launch_warmup_flush_stop(tmp_path: Path) -> None:
     from servegate.config import FlushConfig, WarmupConfig
     from servegate.errors import ModelUnavailableError
     from servegate.http import make_session
-    from servegate.worker.model import ensure_model
+    from servegate.models import ensure_model
 
     try:
         model_dir = ensure_model("tiny-random", allow_fetch=False)

@@ -12,7 +12,7 @@ import torch
 from servegate.bench.offline import _random_input_ids, _run_case, run_offline_one_batch
 from servegate.config import OneBatchConfig
 from servegate.tables import OFFLINE_ONE_BATCH_COLUMNS
-from servegate.worker.model import ensure_model, load_model
+from servegate.models import ensure_model, load_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -34,7 +34,7 @@ from servegate.engines import get_engine
 from servegate.errors import StageError
 from servegate.launch import WorkerHandle, launch_worker
 from servegate.worker.logprobs import input_token_logprobs
-from servegate.worker.model import ensure_model, load_model
+from servegate.models import ensure_model, load_model
 
 from sim_server import SimServer, SimState
 

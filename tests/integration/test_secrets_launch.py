@@ -24,7 +24,7 @@ TINY = ["--dtype", "float32", "--context-length", "1024", "--num-threads", "1"]
 
 @pytest.fixture(scope="module", autouse=True)
 def _tiny_model_cached() -> None:
-    from servegate.worker.model import ensure_model
+    from servegate.models import ensure_model
 
     ensure_model("tiny-random")
 

@@ -52,7 +52,7 @@ needs_vllm = pytest.mark.skipif(
 
 def _model_dir() -> str:
     from servegate.errors import ModelUnavailableError
-    from servegate.worker.model import ensure_model
+    from servegate.models import ensure_model
 
     try:
         return str(ensure_model("smollm2-135m", allow_fetch=False))

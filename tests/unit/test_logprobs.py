@@ -12,7 +12,7 @@ from servegate.worker.logprobs import (
     token_logprobs_from_logits,
     top_logprobs,
 )
-from servegate.worker.model import ensure_model, load_model
+from servegate.models import ensure_model, load_model
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,7 +30,7 @@ from servegate.bench.quality import (
 )
 from servegate.errors import ConfigError, InsufficientDataError
 from servegate.worker.logprobs import input_token_logprobs
-from servegate.worker.model import ensure_model, load_model
+from servegate.models import ensure_model, load_model
 
 pytestmark = pytest.mark.timeout(120)
 

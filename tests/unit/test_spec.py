@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from servegate.errors import ConfigError
-from servegate.worker.model import ensure_model, load_model
+from servegate.models import ensure_model, load_model
 from servegate.worker.spec import NgramDraftIndex, SpecResult, speculative_generate
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ from workerutil import TINY_ARGS, WorkerProcess
 @pytest.fixture(scope="session", autouse=True)
 def _tiny_model_cached() -> None:
     """Build the tiny model once (from the cached SmolLM2 tokenizer) before any worker starts."""
-    from servegate.worker.model import ensure_model
+    from servegate.models import ensure_model
 
     ensure_model("tiny-random")
 

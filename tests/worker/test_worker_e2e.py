@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def test_smollm2_knows_the_capital_of_france(start_worker) -> None:
-    from servegate.worker.model import cache_dir
+    from servegate.models import cache_dir
 
     if not (cache_dir() / "smollm2-135m" / "model.safetensors").is_file():
         pytest.skip("smollm2-135m not cached; run `servegate model fetch` first")

