@@ -22,14 +22,21 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError,
-                      field_serializer, field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, FieldSerializationInfo,
+                      SecretStr, ValidationError, ValidationInfo, field_serializer, field_validator, model_validator)
 
 from servegate.errors import ConfigError
 
 __all__ = [
     "EngineName",
     "MemoryBudget",
+    "EngineBudget",
+    "SGLangBudget",
+    "VLLMBudget",
+    "EmbeddedBudget",
+    "ExternalBudget",
+    "BUDGET_MODELS",
+    "MemoryProfile",
     "MEMORY_PROFILES",
     "WorkerSpec",
     "WarmupConfig",
@@ -131,39 +138,142 @@ def redact_url(url: str | None) -> str | None:
     return _URL_PASSWORD_RE.sub(r"\g<user>***@", url, count=1)
 
 
+# ---- memory budgets ------------------------------------------------------------------------
+# Each engine has its own typed budget (the flags it takes), told apart by ``engine`` (the
+# discriminator, as guidellm's BackendArgs ``kind``); the engine class names the one it uses
+# (``Engine.budget_model``). A field of another engine is an error that lists this engine's fields.
 class MemoryBudget(_Model):
-    """How much memory the worker may take. One named set per hardware profile.
+    """How much memory the worker may take: the base of every engine's own budget model.
 
-    Each engine reads the fields that apply to it; unset fields are not passed.
+    ``engine`` says which engine's it is; the engine passes the fields that are set (not None).
     """
 
-    # SGLang
-    mem_fraction_static: float | None = Field(None, gt=0, le=1, description="SGLang --mem-fraction-static")
+    engine: str
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The budget's fields (without ``engine``), in the order the engine passes them."""
+        return [name for name in cls.model_fields if name != "engine"]
+
+    @classmethod
+    def lowerable_fields(cls) -> list[str]:
+        """The numeric fields: what to lower when the worker is killed for memory (a switch is not a size)."""
+        return [name for name in cls.field_names() if cls.model_fields[name].annotation is not bool]
+
+    def settings(self) -> dict[str, Any]:
+        """The fields that are set (not None), without ``engine``: what the engine is told."""
+        return self.model_dump(exclude_none=True, exclude={"engine"})
+
+
+class SGLangBudget(MemoryBudget):
+    """SGLang's memory budget; unset fields are not passed (SGLang sizes itself)."""
+
+    engine: Literal["sglang"] = "sglang"
+    mem_fraction_static: float | None = Field(None, gt=0, le=1, description="--mem-fraction-static")
     disable_prefill_cuda_graph: bool = Field(
-        False, description="SGLang --cuda-graph-backend-prefill disabled (when prefill graphs are not needed)"
-    )
-    cuda_graph_max_bs: int | None = Field(None, gt=0, description="SGLang --cuda-graph-max-bs")
-    # shared by SGLang and the embedded worker
-    max_total_tokens: int | None = Field(None, gt=0, description="KV token capacity (SGLang/embedded --max-total-tokens)")
-    max_running_requests: int | None = Field(None, gt=0, description="SGLang/embedded --max-running-requests")
-    # vLLM
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM --gpu-memory-utilization")
-    max_model_len: int | None = Field(None, gt=0, description="vLLM --max-model-len")
-    max_num_seqs: int | None = Field(None, gt=0, description="vLLM --max-num-seqs")
+        False, description="--cuda-graph-backend-prefill disabled (when prefill graphs are not needed)")
+    max_total_tokens: int | None = Field(None, gt=0, description="KV token capacity (--max-total-tokens)")
+    max_running_requests: int | None = Field(None, gt=0, description="--max-running-requests")
+    cuda_graph_max_bs: int | None = Field(None, gt=0, description="--cuda-graph-max-bs")
+
+
+class VLLMBudget(MemoryBudget):
+    """vLLM's memory budget; unset fields are not passed (vLLM sizes itself)."""
+
+    engine: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="--gpu-memory-utilization")
+    max_model_len: int | None = Field(None, gt=0, description="--max-model-len")
+    max_num_seqs: int | None = Field(None, gt=0, description="--max-num-seqs")
     cpu_kvcache_space_gib: int | None = Field(None, gt=0, description="vLLM CPU: VLLM_CPU_KVCACHE_SPACE (GiB)")
 
 
+class EmbeddedBudget(MemoryBudget):
+    """The embedded CPU worker's memory budget: a KV token capacity and a batch cap (SGLang's flags)."""
+
+    engine: Literal["embedded"] = "embedded"
+    max_total_tokens: int | None = Field(None, gt=0, description="KV token capacity (--max-total-tokens)")
+    max_running_requests: int | None = Field(None, gt=0, description="--max-running-requests")
+
+
+class ExternalBudget(MemoryBudget):
+    """An attached server (engine external) was started by someone else: servegate budgets nothing."""
+
+    engine: Literal["external"] = "external"
+
+
+EngineBudget = Annotated[SGLangBudget | VLLMBudget | EmbeddedBudget | ExternalBudget,
+                         Field(discriminator="engine")]
+"""One engine's memory budget; ``engine`` says which."""
+
+BUDGET_MODELS: dict[str, type[MemoryBudget]] = {
+    model.model_fields["engine"].default: model for model in (SGLangBudget, VLLMBudget, EmbeddedBudget, ExternalBudget)
+}
+"""Engine name -> its budget model (each engine class names the same one as ``Engine.budget_model``)."""
+
+# Configs snapshotted before budgets were per engine hold every engine's fields, unset (None, False).
+_UNSET_ELSEWHERE = {name: model.model_fields[name].default
+                    for model in BUDGET_MODELS.values() for name in model.field_names()}
+
+
+def _budget_fields_for(engine: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` (a ``worker.memory`` mapping) checked against ``engine``'s budget model, with
+    ``engine`` filled in; ``ValueError`` naming the fields the engine does not have and listing its own."""
+    model = BUDGET_MODELS[engine]
+    given = dict(fields)
+    if given.setdefault("engine", engine) != engine:
+        raise ValueError(f"is a memory budget for engine {given['engine']!r}, but worker.engine is {engine!r}; "
+                         f"drop its 'engine' key or give {engine}'s fields: {model.field_names()}")
+    own = set(model.model_fields)
+    unknown = sorted(k for k in given if k not in own
+                     and not (k in _UNSET_ELSEWHERE and given[k] == _UNSET_ELSEWHERE[k]))
+    if unknown:
+        if not model.field_names():
+            raise ValueError(f"engine {engine!r} launches nothing, so it has no memory budget (got {unknown}); "
+                             f"remove worker.memory")
+        raise ValueError(f"engine {engine!r} has no memory budget field {', '.join(map(repr, unknown))}; "
+                         f"its fields: {model.field_names()}")
+    return {k: v for k, v in given.items() if k in own}
+
+
+class MemoryProfile(_Model):
+    """One hardware profile's memory budgets, one per engine that runs on that hardware.
+
+    An engine the profile does not name gets its budget's defaults: no flags, the engine sizes itself.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budgets: dict[str, EngineBudget]
+
+    @classmethod
+    def of(cls, *budgets: MemoryBudget) -> "MemoryProfile":
+        return cls(budgets={budget.engine: budget for budget in budgets})
+
+    def for_engine(self, engine: str) -> MemoryBudget:
+        """``engine``'s budget under this profile (a copy: the profile stays as written)."""
+        budget = self.budgets.get(engine)
+        return budget.model_copy() if budget is not None else BUDGET_MODELS[engine]()
+
+
+def _kv_tokens(max_total_tokens: int, max_running_requests: int) -> list[MemoryBudget]:
+    """One KV token capacity and batch cap for the embedded worker and SGLang (they spell the flags alike)."""
+    return [model(max_total_tokens=max_total_tokens, max_running_requests=max_running_requests)
+            for model in (EmbeddedBudget, SGLangBudget)]
+
+
 # One named constant set per profile, shared by every model spec (no drift between specs).
-MEMORY_PROFILES: dict[str, MemoryBudget] = {
+MEMORY_PROFILES: dict[str, MemoryProfile] = {
     # 0.6 in CI, per SGLang's router e2e fix.
-    "ci-gpu": MemoryBudget(mem_fraction_static=0.6, disable_prefill_cuda_graph=True, cuda_graph_max_bs=32,
-                           gpu_memory_utilization=0.6, max_num_seqs=64, max_model_len=4096),
-    "h100": MemoryBudget(mem_fraction_static=0.85, cuda_graph_max_bs=256, gpu_memory_utilization=0.9,
-                         max_num_seqs=256, max_model_len=8192),
+    "ci-gpu": MemoryProfile.of(
+        SGLangBudget(mem_fraction_static=0.6, disable_prefill_cuda_graph=True, cuda_graph_max_bs=32),
+        VLLMBudget(gpu_memory_utilization=0.6, max_model_len=4096, max_num_seqs=64)),
+    "h100": MemoryProfile.of(
+        SGLangBudget(mem_fraction_static=0.85, cuda_graph_max_bs=256),
+        VLLMBudget(gpu_memory_utilization=0.9, max_model_len=8192, max_num_seqs=256)),
     # The embedded CPU worker: a KV token capacity and a batch cap.
-    "cpu-small": MemoryBudget(max_total_tokens=16384, max_running_requests=16),
-    "cpu-large": MemoryBudget(max_total_tokens=65536, max_running_requests=32),
-    "vllm-cpu": MemoryBudget(cpu_kvcache_space_gib=2, max_model_len=2048, max_num_seqs=16),
+    "cpu-small": MemoryProfile.of(*_kv_tokens(max_total_tokens=16384, max_running_requests=16)),
+    "cpu-large": MemoryProfile.of(*_kv_tokens(max_total_tokens=65536, max_running_requests=32)),
+    "vllm-cpu": MemoryProfile.of(VLLMBudget(cpu_kvcache_space_gib=2, max_model_len=2048, max_num_seqs=16)),
 }
 
 
@@ -174,7 +284,8 @@ class WorkerSpec(_Model):
     port: int = Field(0, ge=0, le=65535, description="port; 0 picks a free one")
     url: str | None = Field(None, description="base URL of an already running server (engine=external)")
     memory_profile: str = Field("cpu-small", description=f"one of {sorted(MEMORY_PROFILES)}")
-    memory: MemoryBudget | None = Field(None, description="explicit budget; overrides memory_profile fields")
+    memory: EngineBudget | None = Field(None, description="explicit budget fields of the worker's engine; "
+                                                          "override memory_profile's")
     extra_args: list[str] = Field(default_factory=list, description="extra launch arguments, appended verbatim")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the worker process")
     python: str | None = Field(None, description="python executable for engines in their own virtualenv")
@@ -244,20 +355,48 @@ class WorkerSpec(_Model):
             data = {k: v for k, v in data.items() if k != "api_key"}
         return data
 
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory_of_the_engine(cls, value: Any, info: ValidationInfo) -> Any:
+        engine = info.data.get("engine")
+        if engine not in BUDGET_MODELS:
+            return None  # worker.engine's own error says what is wrong; no second one about its budget
+        if isinstance(value, dict):
+            return _budget_fields_for(engine, value)
+        if isinstance(value, MemoryBudget) and value.engine != engine:
+            raise ValueError(f"is a memory budget for engine {value.engine!r}, but worker.engine is {engine!r}; "
+                             f"give {engine}'s fields: {BUDGET_MODELS[engine].field_names()}")
+        return value
+
+    @field_serializer("memory")
+    def _only_given_memory_fields(self, value: MemoryBudget | None,
+                                  info: FieldSerializationInfo) -> dict[str, Any] | None:
+        # Only the fields given: a snapshot reloaded (rerun, overrides) lays the same fields over the
+        # profile, instead of None over every field the profile sets.
+        if value is None:
+            return None
+        return {"engine": value.engine, **value.model_dump(mode=info.mode, exclude_unset=True)}
+
     @model_validator(mode="after")
-    def _external_needs_url(self) -> "WorkerSpec":
+    def _consistent(self) -> "WorkerSpec":
+        # The one check that an attaching engine has somewhere to attach (launch relies on it).
         if self.engine == "external" and not self.url:
             raise ValueError("engine 'external' needs url (the base URL of the running server)")
+        if self.memory is not None and self.memory.engine != self.engine:
+            raise ValueError(f"worker.memory is a budget for engine {self.memory.engine!r}, but worker.engine is "
+                             f"{self.engine!r}; give {self.engine}'s fields: "
+                             f"{BUDGET_MODELS[self.engine].field_names()}")
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("give either api_key or api_key_env (the variable that holds the key), not both")
         return self
 
     def budget(self) -> MemoryBudget:
-        """The effective memory budget: the named profile with explicit fields laid over it."""
-        base = MEMORY_PROFILES[self.memory_profile].model_dump()
-        if self.memory is not None:
-            base.update(self.memory.model_dump(exclude_unset=True))
-        return MemoryBudget(**base)
+        """The effective memory budget, of the engine's own model (``BUDGET_MODELS[engine]``): the named
+        profile's, with ``memory``'s fields laid over it."""
+        base = MEMORY_PROFILES[self.memory_profile].for_engine(self.engine)
+        if self.memory is None:
+            return base
+        return type(base)(**{**base.model_dump(), **self.memory.model_dump(exclude_unset=True)})
 
 
 class WarmupConfig(_Model):

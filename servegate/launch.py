@@ -55,13 +55,6 @@ PROBE_TIMEOUT_S = 30.0
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
 
-# Which budget fields to lower when a worker is OOM-killed, per engine.
-_OOM_KNOBS = {
-    "sglang": "mem_fraction_static, max_total_tokens, max_running_requests, cuda_graph_max_bs",
-    "vllm": "gpu_memory_utilization, max_model_len, max_num_seqs, cpu_kvcache_space_gib",
-    "embedded": "max_total_tokens, max_running_requests",
-}
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (another process may still take it)."""
@@ -206,9 +199,8 @@ def _startup_exit_error(handle: WorkerHandle, rc: int) -> WorkerLaunchError:
     tail = handle.log_tail()
     cmd = _redacted(handle.command or [])
     if rc == -signal.SIGKILL:
-        budget = handle.spec.budget().model_dump(exclude_none=True)
-        fields = ", ".join(f"{k}={v}" for k, v in budget.items())
-        knobs = _OOM_KNOBS.get(handle.engine.name, "the memory budget fields")
+        fields = ", ".join(f"{k}={v}" for k, v in handle.spec.budget().settings().items())
+        knobs = ", ".join(handle.engine.oom_knobs()) or "the memory budget fields"
         return WorkerOOMError(
             f"the {handle.engine.name} worker was killed by SIGKILL during start-up — likely the OOM killer; "
             f"memory budget (profile {handle.spec.memory_profile!r}): {fields}; lower it ({knobs}) or pick a "
@@ -260,8 +252,9 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     """Start the worker ``spec`` describes and wait until it is ready.
 
     ``spec.port == 0`` picks a free port. The worker's stdout and stderr go to ``log_path``
-    (appended; the command line, API key redacted, is written first). Engine "external"
-    starts nothing: it waits for ``spec.url`` to be ready and returns a handle without a process.
+    (appended; the command line, API key redacted, is written first). An engine that does not
+    launch (``engine.launches`` False: "external") starts nothing: it waits for ``spec.url`` to be
+    ready and returns a handle without a process.
     ``engine`` overrides ``get_engine(spec.engine)`` (tests launch a stand-in server this way).
 
     Raises ``WorkerOOMError`` (SIGKILL during start-up), ``WorkerLaunchError`` (other exit,
@@ -274,9 +267,8 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     session = make_session(spec.api_key_value())
     log_path = Path(log_path)
 
-    if engine.name == "external":
-        if not spec.url:
-            raise ConfigError("engine 'external' needs worker.url (the base URL of the running server)")
+    if not engine.launches:
+        assert spec.url, "WorkerSpec requires worker.url of an engine that attaches"
         handle = WorkerHandle(spec, engine, spec.url.rstrip("/"), log_path, None)
         with session:
             _wait_ready(handle, session, timeout_s)

@@ -1,6 +1,7 @@
-"""The one narrow engine interface.
+"""The one narrow engine interface: ``Engine``, the launch adapter of one serving engine.
 
-An engine knows how to launch its server (argument list + env), how to probe readiness,
+An engine knows how to launch its server (argument list + env) within its memory budget
+(``budget_model``: its own typed budget from config.py), how to probe readiness,
 how to flush its prefix cache, how to read token capacity from its server info, which
 protocol the load generator speaks to it, and the names of its Prometheus metrics.
 Each concrete engine is one small module in this package.
@@ -20,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 import requests
 
-from servegate.config import REDACTED, WorkerSpec
+from servegate.config import REDACTED, MemoryBudget, WorkerSpec
 from servegate.errors import ConfigError
 from servegate.http import request_within
 
@@ -70,6 +71,23 @@ class Engine(abc.ABC):
     api_key_env_var: ClassVar[str | None] = None
     """The environment variable the server reads its API key from; None when it only takes a
     command-line flag (visible to every user in ``ps``)."""
+    budget_model: ClassVar[type[MemoryBudget]]
+    """The engine's memory budget model (config.py; ``budget_model.engine`` is ``name``): the fields a
+    memory profile or ``worker.memory`` may set for this engine."""
+
+    def budget(self, spec: WorkerSpec) -> MemoryBudget:
+        """The memory budget this engine launches ``spec`` with (``spec.budget()``, which is
+        ``budget_model``'s: the spec's engine is this one)."""
+        budget = spec.budget()
+        if not isinstance(budget, self.budget_model):
+            raise ConfigError(f"the {self.name} engine cannot launch a worker spec for engine {spec.engine!r} "
+                              f"(its budget is a {type(budget).__name__}); set worker.engine = {self.name!r}")
+        return budget
+
+    @classmethod
+    def oom_knobs(cls) -> list[str]:
+        """The budget fields to lower when the worker is killed for memory: its budget's sizes."""
+        return cls.budget_model.lowerable_fields()
 
     @abc.abstractmethod
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:

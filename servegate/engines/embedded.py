@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import requests
 
-from servegate.config import WorkerSpec
+from servegate.config import EmbeddedBudget, WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity
 from servegate.engines.sglang import (SGLANG_METRIC_NAMES, fetch_sglang_server_info, parse_server_info,
                                      sglang_common_flags, sglang_flush)
@@ -34,9 +34,10 @@ class EmbeddedEngine(Engine):
     has_logprobs: ClassVar[bool] = True
     # The worker reads its key from this variable (servegate/worker/cli.py): never on its command line.
     api_key_env_var: ClassVar[str | None] = API_KEY_ENV
+    budget_model: ClassVar[type[EmbeddedBudget]] = EmbeddedBudget
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
-        budget = spec.budget()
+        budget = self.budget(spec)
         cmd = [spec.python or sys.executable, "-m", "servegate", "worker",
                "--model", spec.model, "--host", spec.host, "--port", str(port)]
         if budget.max_total_tokens is not None:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import requests
 
-from servegate.config import WorkerSpec
+from servegate.config import ExternalBudget, WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity, probe
 from servegate.engines.sglang import fetch_sglang_server_info, parse_server_info
 from servegate.errors import ConfigError, FlushError
@@ -41,6 +41,7 @@ class ExternalEngine(Engine):
     reports_capacity: ClassVar[bool] = False  # best effort: SGLang-style server info where present
     # Prompt log-probabilities (`echo` with `logprobs`) are not served by every OpenAI-compatible server.
     has_logprobs: ClassVar[bool] = False
+    budget_model: ClassVar[type[ExternalBudget]] = ExternalBudget  # no fields: it launches nothing
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         raise ConfigError("engine 'external' launches nothing: it attaches to worker.url; "

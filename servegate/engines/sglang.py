@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import requests
 
-from servegate.config import WorkerSpec
+from servegate.config import SGLangBudget, WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError, StageError
 from servegate.http import body_excerpt, join_url, json_body, request_within
@@ -157,9 +157,10 @@ class SGLangEngine(Engine):
     # `--config FILE` (YAML holding `api-key`) would keep it out, given a 0600 file that launch
     # creates and removes; until then, attach to a server started with the key (engine external).
     api_key_env_var: ClassVar[str | None] = None
+    budget_model: ClassVar[type[SGLangBudget]] = SGLangBudget
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
-        budget = spec.budget()
+        budget = self.budget(spec)
         cmd = [spec.python or "python3", "-m", "sglang.launch_server",
                "--model-path", spec.model, "--host", spec.host, "--port", str(port)]
         if budget.mem_fraction_static is not None:

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import requests
 
-from servegate.config import WorkerSpec
+from servegate.config import VLLMBudget, WorkerSpec
 from servegate.engine_install import resolve_engine_python
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError
@@ -70,9 +70,10 @@ class VLLMEngine(Engine):
     has_logprobs: ClassVar[bool] = True
     # vLLM's API server takes `--api-key` or, when that is not given, $VLLM_API_KEY.
     api_key_env_var: ClassVar[str | None] = "VLLM_API_KEY"
+    budget_model: ClassVar[type[VLLMBudget]] = VLLMBudget
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
-        budget = spec.budget()
+        budget = self.budget(spec)
         if spec.python is None:
             cmd = ["vllm", "serve", _model_path(spec.model)]
         else:
@@ -95,7 +96,7 @@ class VLLMEngine(Engine):
     def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
         # /reset_prefix_cache exists only in dev mode; without it the flush stage cannot run.
         env = {"VLLM_SERVER_DEV_MODE": "1"}
-        budget = spec.budget()
+        budget = self.budget(spec)
         if budget.cpu_kvcache_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(budget.cpu_kvcache_space_gib)
         env.update(self.api_key_environ(spec))  # the key by environment, not on the command line

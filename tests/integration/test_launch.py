@@ -78,6 +78,7 @@ def test_sigkill_at_startup_is_reported_as_oom_with_budget(tmp_path: Path) -> No
     msg = str(info.value)
     assert "SIGKILL" in msg and "OOM" in msg
     assert "max_total_tokens=16384" in msg and "max_running_requests=16" in msg
+    assert "lower it (max_total_tokens, max_running_requests)" in msg  # the engine's OOM knobs
     assert "'cpu-small'" in msg
     assert "allocating KV cache" in msg  # log tail
 

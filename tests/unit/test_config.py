@@ -59,7 +59,7 @@ def test_external_needs_url_and_memory_overlay():
     cfg = GateConfig.model_validate({"worker": {"memory_profile": "cpu-small", "memory": {"max_total_tokens": 999}}})
     budget = cfg.worker.budget()
     assert budget.max_total_tokens == 999
-    assert budget.max_running_requests == MEMORY_PROFILES["cpu-small"].max_running_requests
+    assert budget.max_running_requests == MEMORY_PROFILES["cpu-small"].for_engine("embedded").max_running_requests
 
 
 # ---- profile names (issue 11, finding 15a) --------------------------------------------------

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from servegate.config import MEMORY_PROFILES, REDACTED, MemoryBudget, WorkerSpec
+from servegate.config import MEMORY_PROFILES, REDACTED, SGLangBudget, WorkerSpec
 from servegate.engines import (EmbeddedEngine, ExternalEngine, SGLangEngine, VLLMEngine, get_engine)
 from servegate.engines.sglang import parse_server_info
 from servegate.errors import ConfigError
@@ -27,6 +27,13 @@ SGLANG_BUDGET_ARGS = {
     "cpu-large": ["--max-total-tokens", "65536", "--max-running-requests", "32"],
     "vllm-cpu": [],
 }
+EMBEDDED_BUDGET_ARGS = {
+    "ci-gpu": [],
+    "h100": [],
+    "cpu-small": ["--max-total-tokens", "16384", "--max-running-requests", "16"],
+    "cpu-large": ["--max-total-tokens", "65536", "--max-running-requests", "32"],
+    "vllm-cpu": [],
+}
 VLLM_BUDGET_ARGS = {
     "ci-gpu": ["--gpu-memory-utilization", "0.6", "--max-model-len", "4096", "--max-num-seqs", "64"],
     "h100": ["--gpu-memory-utilization", "0.9", "--max-model-len", "8192", "--max-num-seqs", "256"],
@@ -37,7 +44,7 @@ VLLM_BUDGET_ARGS = {
 
 
 def test_every_profile_has_an_expected_command() -> None:
-    assert set(SGLANG_BUDGET_ARGS) == set(MEMORY_PROFILES) == set(VLLM_BUDGET_ARGS)
+    assert set(SGLANG_BUDGET_ARGS) == set(MEMORY_PROFILES) == set(VLLM_BUDGET_ARGS) == set(EMBEDDED_BUDGET_ARGS)
 
 
 @pytest.mark.parametrize("name,cls", [("embedded", EmbeddedEngine), ("sglang", SGLangEngine),
@@ -62,7 +69,7 @@ def test_sglang_command_per_profile(profile: str) -> None:
 
 def test_sglang_command_with_every_option() -> None:
     spec = WorkerSpec(engine="sglang", model=MODEL, memory_profile="ci-gpu", python="/venvs/sgl/bin/python",
-                      memory=MemoryBudget(max_total_tokens=20480, max_running_requests=8),
+                      memory=SGLangBudget(max_total_tokens=20480, max_running_requests=8),
                       speculative_num_draft_tokens=4, api_key="k", extra_args=["--tp", "2"],
                       env={"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "0", "X": "1"})
     assert SGLangEngine().launch_command(spec, 31000) == [
@@ -104,6 +111,14 @@ def test_vllm_command_with_python_and_options() -> None:
         "--max-num-seqs", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
         "--enforce-eager"]
     assert VLLMEngine().launch_env(spec) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "k"}
+
+
+@pytest.mark.parametrize("profile", sorted(MEMORY_PROFILES))
+def test_embedded_command_per_profile(profile: str) -> None:
+    spec = WorkerSpec(engine="embedded", model="tiny-random", memory_profile=profile, enable_metrics=False)
+    assert EmbeddedEngine().launch_command(spec, 30001) == [
+        sys.executable, "-m", "servegate", "worker", "--model", "tiny-random", "--host", "127.0.0.1",
+        "--port", "30001", *EMBEDDED_BUDGET_ARGS[profile]]
 
 
 def test_embedded_command() -> None:
