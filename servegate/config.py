@@ -164,6 +164,11 @@ class MemoryBudget(_Model):
         """The fields that are set (not None), without ``engine``: what the engine is told."""
         return self.model_dump(exclude_none=True, exclude={"engine"})
 
+    @property
+    def token_capacity(self) -> int | None:
+        """The KV token capacity this budget sets; None where the engine's budget has none (it sizes itself)."""
+        return None
+
 
 class SGLangBudget(MemoryBudget):
     """SGLang's memory budget; unset fields are not passed (SGLang sizes itself)."""
@@ -175,6 +180,10 @@ class SGLangBudget(MemoryBudget):
     max_total_tokens: int | None = Field(None, gt=0, description="KV token capacity (--max-total-tokens)")
     max_running_requests: int | None = Field(None, gt=0, description="--max-running-requests")
     cuda_graph_max_bs: int | None = Field(None, gt=0, description="--cuda-graph-max-bs")
+
+    @property
+    def token_capacity(self) -> int | None:
+        return self.max_total_tokens
 
 
 class VLLMBudget(MemoryBudget):
@@ -193,6 +202,10 @@ class EmbeddedBudget(MemoryBudget):
     engine: Literal["embedded"] = "embedded"
     max_total_tokens: int | None = Field(None, gt=0, description="KV token capacity (--max-total-tokens)")
     max_running_requests: int | None = Field(None, gt=0, description="--max-running-requests")
+
+    @property
+    def token_capacity(self) -> int | None:
+        return self.max_total_tokens
 
 
 class ExternalBudget(MemoryBudget):

@@ -156,3 +156,10 @@ def test_named_profiles_are_not_changed_by_a_spec() -> None:
     assert WorkerSpec(memory_profile="cpu-small").budget().max_total_tokens == 16384
     with pytest.raises(ValueError):
         MEMORY_PROFILES["cpu-small"].budgets = {}  # frozen: one constant set per hardware profile
+
+
+@pytest.mark.parametrize("engine,capacity", [("embedded", 16384), ("sglang", 16384), ("vllm", None), ("external", None)])
+def test_token_capacity_where_the_budget_sets_one(engine: str, capacity: int | None) -> None:
+    """Offline one-batch sizes its in-process runner from it; an engine without one sizes itself."""
+    assert WorkerSpec(engine=engine, url="http://127.0.0.1:9", memory_profile="cpu-small").budget().token_capacity \
+        == capacity
