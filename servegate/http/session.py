@@ -1,6 +1,6 @@
-"""Shared HTTP helpers: the one session factory, whole-request deadlines, error mapping.
+"""Blocking HTTP: the one session factory, whole-request deadlines, JSON helpers.
 
-Every HTTP request a bench stage makes goes through a session from ``make_session``
+Every blocking HTTP request servegate makes goes through a session from ``make_session``
 (which sends the API key) and, for requests that talk to the model, through
 ``request_within`` or ``stream_within``, which bound the *whole* request: from sending it
 to its last byte. ``requests``' own ``timeout`` bounds each socket read, so a server that
@@ -9,8 +9,8 @@ dripping server hold the gate for 60 s, then pass). Here a watchdog shuts the re
 socket down when its deadline passes, which ends whatever read is waiting, and the request
 fails with ``StageError`` naming the request, the limit and the config field to raise.
 
-Connection failures are mapped to ``ServerUnreachableError`` here, at the boundary, so that
-no ``requests`` exception leaks out of servegate.
+Connection failures are mapped to ``ServerUnreachableError`` here, at the boundary (by
+``errors.unreachable_as_error``), so that no ``requests`` exception leaks out of servegate.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 import requests
@@ -28,10 +29,13 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from servegate.errors import RequestDeadlineError, ServerUnreachableError, StageError
+from servegate.errors import StageError
+from servegate.http.errors import deadline_error, unreachable_as_error
 
 __all__ = [
+    "api_key_headers",
     "make_session",
+    "ThreadSessions",
     "join_url",
     "request_within",
     "stream_within",
@@ -112,27 +116,59 @@ class _DeadlineAdapter(HTTPAdapter):
         self.poolmanager.pool_classes_by_scheme = {"http": _TracedHTTPPool, "https": _TracedHTTPSPool}
 
 
+def api_key_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <api_key>`` when a key is given (SGLang and the embedded worker
+    require it on every route but health and metrics, vLLM on its ``/v1`` routes).
+
+    The one place the header is spelled: ``make_session`` sends it on every request, and the
+    serving load generator's ``StreamingClient`` takes it from here too.
+    """
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def make_session(api_key: str | None = None) -> requests.Session:
-    """The session every stage uses: sends ``Authorization: Bearer <api_key>`` when a key is
-    given (SGLang and the embedded worker require it on every route but health and metrics,
-    vLLM on its ``/v1`` routes), and lets ``request_within``/``stream_within`` bound a
-    request's status line and headers as well as its body."""
+    """The session every stage uses: sends the API key (``api_key_headers``) on every request,
+    and lets ``request_within``/``stream_within`` bound a request's status line and headers as
+    well as its body. A stage given a session by its caller relies on it carrying the key."""
     session = requests.Session()
     adapter = _DeadlineAdapter()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
-    if api_key:
-        session.headers["Authorization"] = f"Bearer {api_key}"
+    session.headers.update(api_key_headers(api_key))
     return session
 
 
-def _deadline_error(what: str, limit_s: float, started: float, setting: str | None) -> RequestDeadlineError:
-    elapsed = time.monotonic() - started
-    todo = (f"raise {setting} if the server is only slow" if setting
-            else "this limit is fixed; the endpoint should answer in well under it")
-    return RequestDeadlineError(f"{what} did not complete within its deadline of {limit_s:g} s (from sending the request "
-                      f"to its last byte; {elapsed:.1f} s had passed): the server stalled or is sending too "
-                      f"slowly — read the worker log; {todo}")
+class ThreadSessions:
+    """One ``make_session`` session per thread (a ``requests.Session`` is not thread-safe),
+    all closed together: ``with ThreadSessions(api_key) as sessions: sessions.get()``."""
+
+    def __init__(self, api_key: str | None = None) -> None:
+        self._api_key = api_key
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> requests.Session:
+        """This thread's session (made on first use)."""
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = make_session(self._api_key)
+            with self._lock:
+                self._sessions.append(session)
+        return session
+
+    def close(self) -> None:
+        with self._lock:
+            for session in self._sessions:
+                session.close()
+            self._sessions.clear()
+
+    def __enter__(self) -> "ThreadSessions":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
 
 @contextlib.contextmanager
@@ -142,7 +178,8 @@ def stream_within(session: requests.Session, method: str, url: str, *, limit_s: 
     ``with`` block; the whole request — send, headers, every body byte — must end within
     ``limit_s`` seconds.
 
-    When the deadline passes the socket is shut down and ``StageError`` is raised, naming
+    When the deadline passes the socket is shut down and ``RequestDeadlineError`` (a
+    ``StageError``) is raised, naming
     ``what`` (e.g. ``"warmup request 2/3 (POST http://…/generate)"``), the limit and
     ``setting`` (the config field that sets it; None when the limit is fixed). A transport
     failure before the deadline is ``ServerUnreachableError`` (with ``hint`` on what to do).
@@ -170,23 +207,17 @@ def stream_within(session: requests.Session, method: str, url: str, *, limit_s: 
         yield response
     except (OSError, StageError) as exc:  # requests' exceptions are OSErrors
         if cutoff.fired or isinstance(exc, requests.ReadTimeout) or time.monotonic() - started > limit_s:
-            raise _deadline_error(what, limit_s, started, setting) from exc
+            raise deadline_error(what, limit_s, time.monotonic() - started, setting) from exc
         if not isinstance(exc, requests.RequestException):
             raise
-        if isinstance(exc, requests.Timeout):
-            raise ServerUnreachableError(
-                f"{what}: no connection to {url} within {limit_s:g} s ({type(exc).__name__}); "
-                f"{hint or 'check that the server is running and not overloaded'}") from exc
-        raise ServerUnreachableError(
-            f"{what}: could not reach {url}: {exc}; "
-            f"{hint or 'check that the server is running and the URL (host, port) is right'}") from exc
+        raise unreachable_as_error(what, url, exc, hint, limit_s=limit_s) from exc
     finally:
         if timer is not None:
             timer.cancel()
         if response is not None:
             response.close()
     if cutoff.fired or time.monotonic() - started > limit_s:
-        raise _deadline_error(what, limit_s, started, setting)  # the body may have been cut short
+        raise deadline_error(what, limit_s, time.monotonic() - started, setting)  # the body may have been cut short
 
 
 def request_within(session: requests.Session, method: str, url: str, *, limit_s: float, what: str,
@@ -224,21 +255,23 @@ def json_body(response: requests.Response, what: str) -> Any:
         ) from exc
 
 
-def served_model_name(session: requests.Session, base_url: str, timeout_s: float = 10.0,
+def served_model_name(session: requests.Session, base_url: str, timeout_s: float = 30.0,
                       setting: str | None = None) -> str:
-    """The first model id from ``GET /v1/models`` (what OpenAI-protocol requests must name).
+    """The first model id from ``GET /v1/models``: what OpenAI-protocol requests must name.
 
-    ``timeout_s`` bounds the whole request; ``setting`` is the config field that sets it.
+    ``timeout_s`` bounds the whole request; ``setting`` is the config field that sets it. The
+    session (from ``make_session``) carries the API key.
     """
     url = join_url(base_url, "/v1/models")
     response = request_within(session, "GET", url, limit_s=timeout_s, what=f"GET {url}", setting=setting)
     if response.status_code != 200:
         raise StageError(
             f"GET {url} answered {response.status_code}: {body_excerpt(response)!r}; the server does not list "
-            f"its models — pass the model name explicitly"
+            f"its models, which the OpenAI protocol needs to name the model — pass the model name explicitly"
         )
     doc = json_body(response, "listing served models")
     data = doc.get("data") if isinstance(doc, dict) else None
     if not data or not isinstance(data, list) or not isinstance(data[0], dict) or not data[0].get("id"):
-        raise StageError(f"GET {url} listed no model ({doc!r}); pass the model name explicitly")
+        raise StageError(f"GET {url} listed no model ({doc!r}); the server must list its model under data[0].id, "
+                         f"or pass the model name explicitly")
     return str(data[0]["id"])
