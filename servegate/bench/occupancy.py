@@ -11,7 +11,8 @@ The page is parsed with ``prometheus_client``'s text parser. Scrapes are paced w
 request finishes instead of sleeping through a last interval.
 
 Every request is bounded from send to last byte, not per read: the long request by
-``occupancy.request_timeout_s``, each scrape by a fixed ``SCRAPE_DEADLINE_S``.
+``occupancy.request_timeout_s``, each scrape by a fixed ``SCRAPE_DEADLINE_S``. The long
+request is built by the engine's ``WireProtocol``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pandas as pd
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from servegate.bench import protocol as proto
+from servegate.bench.protocol import protocol_for
 from servegate.config import OccupancyConfig
 from servegate.engines.base import Engine
 from servegate.errors import (
@@ -40,6 +41,8 @@ from servegate.errors import (
 )
 from servegate.http import make_session, request_within
 from servegate.tables import SAMPLE_COLUMNS
+
+_SAMPLES_TABLE: Final = "occupancy_samples"
 
 __all__ = [
     "SCRAPE_DEADLINE_S",
@@ -69,7 +72,7 @@ class OccupancyResult:
     samples: pd.DataFrame
     """``occupancy_samples``: one row per scrape, NaN where a gauge was absent or NaN."""
     summary: pd.DataFrame
-    """``occupancy_summary``: one row (empty in a partial result attached to an exception)."""
+    """``occupancy_summary``: one row."""
 
 
 def parse_metrics_page(text: str, url: str) -> dict[str, list[float]]:
@@ -95,16 +98,16 @@ def aggregate_scrape(values: dict[str, list[float]], metric_names: dict[str, str
     return out
 
 
-def scrape_metrics(session: requests.Session, base_url: str, engine: Engine, api_key: str | None = None,
+def scrape_metrics(session: requests.Session, base_url: str, engine: Engine,
                    timeout_s: float = SCRAPE_DEADLINE_S) -> dict[str, list[float]]:
     """GET ``/metrics`` once, within ``timeout_s`` from send to last byte (one retry on a
-    connection error: scrapes may retry, measurements not; a stalled page is not retried)."""
+    connection error: scrapes may retry, measurements not; a stalled page is not retried).
+    The session (``make_session``) carries the API key where the server wants one."""
     url = base_url.rstrip("/") + "/metrics"
     for attempt in (1, 2):
         try:
             resp = request_within(session, "GET", url, limit_s=timeout_s, what=f"metrics scrape GET {url}",
-                                  setting=None, headers=proto.auth_headers(api_key),
-                                  hint="the server is gone — check the worker's log")
+                                  setting=None, hint="the server is gone — check the worker's log")
             break
         except ServerUnreachableError as exc:
             if attempt == 2:
@@ -142,12 +145,6 @@ class _LongRequest(threading.Thread):
             self.done.set()
 
 
-def _load_body(engine: Engine, model: str | None, cfg: OccupancyConfig) -> dict[str, Any]:
-    if engine.protocol == "native":
-        return proto.native_generate_body(cfg.prompt, cfg.max_new_tokens, stream=False)
-    return proto.openai_completions_body(model or "", cfg.prompt, cfg.max_new_tokens, stream=False)
-
-
 def _summary(samples: pd.DataFrame, applicable: bool, n_scrapes: int) -> dict[str, Any]:
     def stat(col: str, fn: Callable[[np.ndarray], float]) -> float:
         v = samples[col].dropna().to_numpy(dtype=float)
@@ -169,40 +166,38 @@ def _summary(samples: pd.DataFrame, applicable: bool, n_scrapes: int) -> dict[st
 
 
 def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: str | None = None, *,
-                  session: requests.Session | None = None) -> OccupancyResult:
+                  session: requests.Session | None = None,
+                  partial: dict[str, pd.DataFrame] | None = None) -> OccupancyResult:
     """Scrape ``/metrics`` every ``cfg.scrape_interval_s`` while one long request runs.
 
     Raises ``MetricsError`` (with ``engine.metrics_hint``) when ``/metrics`` is missing or
     malformed or the occupancy gauge never appears; ``InsufficientDataError`` when fewer than
     ``cfg.min_samples`` scrapes had a non-NaN occupancy. An engine without an occupancy gauge
     (no ``fwd_occupancy`` in ``engine.metric_names``, e.g. vLLM) gets the other gauges and
-    ``fwd_occupancy_applicable=False`` instead of an error. Exceptions raised after scraping
-    started carry the samples so far as ``exc.partial`` (an ``OccupancyResult``).
+    ``fwd_occupancy_applicable=False`` instead of an error. ``partial`` (when given) holds
+    ``{"occupancy_samples": the samples so far}`` however the run ends. A ``session`` given by
+    the caller must carry the API key (``make_session``).
     """
     base_url = base_url.rstrip("/")
+    wire = protocol_for(engine)
     own_session = session is None
     http = session or make_session(api_key)
     applicable = "fwd_occupancy" in engine.metric_names
     rows: list[dict[str, float]] = []
     seen: set[str] = set()  # logical metrics whose sample name appeared on some page
     n_scrapes = 0
-
-    def partial() -> OccupancyResult:
-        return OccupancyResult(pd.DataFrame(rows, columns=SAMPLE_COLUMNS), pd.DataFrame())
-
     try:
         # Fail before loading the server when metrics are not served at all.
-        first = scrape_metrics(http, base_url, engine, api_key)
+        first = scrape_metrics(http, base_url, engine)
         seen.update(k for k, name in engine.metric_names.items() if name in first)
-        model = (proto.fetch_model_name(http, base_url, api_key, timeout_s=min(cfg.request_timeout_s, 30.0),
-                                        setting="occupancy.request_timeout_s")
-                 if engine.protocol == "openai" else None)
-        load = _LongRequest(proto.generate_url(base_url, engine.protocol), _load_body(engine, model, cfg),
-                            api_key, cfg.request_timeout_s)
+        model = wire.served_model(http, base_url, limit_s=min(cfg.request_timeout_s, 30.0),
+                                  setting="occupancy.request_timeout_s")
+        body = wire.body(cfg.prompt, cfg.max_new_tokens, model=model, stream=False)
+        load = _LongRequest(wire.url(base_url), body, api_key, cfg.request_timeout_s)
         t0 = time.perf_counter()
         load.start()
         while not load.done.wait(cfg.scrape_interval_s):
-            values = scrape_metrics(http, base_url, engine, api_key)
+            values = scrape_metrics(http, base_url, engine)
             n_scrapes += 1
             seen.update(k for k, name in engine.metric_names.items() if name in values)
             rows.append({"t_s": time.perf_counter() - t0, **aggregate_scrape(values, engine.metric_names)})
@@ -221,10 +216,8 @@ def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: 
                 f"{cfg.min_samples}) over a {n_scrapes}-scrape run; raise occupancy.max_new_tokens or "
                 f"lower occupancy.scrape_interval_s so the request outlasts more scrapes")
         return OccupancyResult(samples=samples, summary=pd.DataFrame([summary]))
-    except InfraError as exc:
-        if not hasattr(exc, "partial"):
-            exc.partial = partial()  # type: ignore[attr-defined]
-        raise
     finally:
+        if partial is not None:
+            partial[_SAMPLES_TABLE] = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
         if own_session:
             http.close()

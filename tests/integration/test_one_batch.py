@@ -128,9 +128,11 @@ def test_server_that_requires_an_api_key(sim: SimServer, engine) -> None:
 
 
 def test_unreachable_server_raises_with_empty_partial() -> None:
+    partial: dict = {}
     with pytest.raises(ServerUnreachableError) as info:
-        run_one_batch(f"http://127.0.0.1:{free_port()}", SGLangEngine(), _cfg())
-    assert info.value.partial.empty and list(info.value.partial.columns) == ONE_BATCH_COLUMNS
+        run_one_batch(f"http://127.0.0.1:{free_port()}", SGLangEngine(), _cfg(), partial=partial)
+    assert not hasattr(info.value, "partial")  # partial results travel in the caller's dict, not on exceptions
+    assert partial["one_batch"].empty and list(partial["one_batch"].columns) == ONE_BATCH_COLUMNS
 
 
 class DyingSGLang(SGLangEngine):
@@ -150,12 +152,13 @@ class DyingSGLang(SGLangEngine):
 
 def test_worker_gone_mid_grid_keeps_the_rows_measured() -> None:
     sim = SimServer(SimState(prefill_delay_s=0.01, per_token_delay_s=0.002)).start()
+    tables: dict = {}
     try:
-        with pytest.raises(ServerUnreachableError, match="worker is gone") as info:
-            run_one_batch(sim.base_url, DyingSGLang(sim), _cfg(batch_sizes=[1, 2, 4]))
+        with pytest.raises(ServerUnreachableError, match="worker is gone"):
+            run_one_batch(sim.base_url, DyingSGLang(sim), _cfg(batch_sizes=[1, 2, 4]), partial=tables)
     finally:
         sim.stop()
-    partial = info.value.partial
+    partial = tables["one_batch"]
     assert partial["batch_size"].tolist() == [1] and partial["status"].tolist() == ["measured"]
 
 

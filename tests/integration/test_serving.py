@@ -129,26 +129,29 @@ def test_openai_without_continuous_usage_counts_chunks(sim: SimServer) -> None:
 @pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])
 def test_all_requests_rejected_is_insufficient_data_with_partial(sim: SimServer, engine) -> None:
     sim.state.generate_status = 503
-    with pytest.raises(InsufficientDataError, match="all 12 requests failed") as info:
-        run_serving(sim.base_url, engine, _cfg())
-    partial = info.value.partial.requests
+    tables: dict = {}
+    with pytest.raises(InsufficientDataError, match="all 12 requests failed"):
+        run_serving(sim.base_url, engine, _cfg(), partial=tables)
+    partial = tables["serving_requests"]
     assert len(partial) == 12 and not partial["success"].any()
     assert (partial["error_kind"] == "http").all() and partial["error"].str.contains("503").all()
 
 
 def test_unreachable_server_raises_with_partial() -> None:
-    with pytest.raises(ServerUnreachableError, match="failed to connect") as info:
-        run_serving(f"http://127.0.0.1:{free_port()}", SGLangEngine(), _cfg(num_prompts=3))
-    partial = info.value.partial.requests
+    tables: dict = {}
+    with pytest.raises(ServerUnreachableError, match="failed to connect"):
+        run_serving(f"http://127.0.0.1:{free_port()}", SGLangEngine(), _cfg(num_prompts=3), partial=tables)
+    partial = tables["serving_requests"]
     assert len(partial) == 3 and (partial["error_kind"] == "connection").all()
 
 
 def test_cut_streams_are_failed_requests(sim: SimServer) -> None:
     sim.state.cut_stream_after_tokens = 2
-    with pytest.raises(InsufficientDataError) as info:
+    tables: dict = {}
+    with pytest.raises(InsufficientDataError):
         run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=3, random_output_len=8,
-                                                       random_range_ratio=1.0))
-    partial = info.value.partial.requests
+                                                       random_range_ratio=1.0), partial=tables)
+    partial = tables["serving_requests"]
     assert (partial["error_kind"] == "stream").all()
     assert partial["error"].str.contains("before \\[DONE\\] after 2 tokens").all()
 
@@ -191,9 +194,10 @@ def test_lying_token_counts_fail_the_requests_instead_of_a_fast_tpot(sim: SimSer
     # The server streams 6 tokens per request but claims 15 times as many: trusted, that is a
     # TPOT 15 times too good (the fault campaign's 1.3 ms against an honest 20 ms, and a pass).
     sim.state.claim_factor = 15
-    with pytest.raises(InsufficientDataError, match="all 12 requests failed") as info:
-        run_serving(sim.base_url, engine, _cfg(random_range_ratio=1.0))
-    partial = info.value.partial.requests
+    tables: dict = {}
+    with pytest.raises(InsufficientDataError, match="all 12 requests failed"):
+        run_serving(sim.base_url, engine, _cfg(random_range_ratio=1.0), partial=tables)
+    partial = tables["serving_requests"]
     assert (partial["error_kind"] == "protocol").all()
     # Native: the count disagrees with the output ids streamed; OpenAI streams text only, so
     # the claim is caught against the 6 tokens the request asked for.
@@ -206,9 +210,11 @@ def test_lying_token_counts_fail_the_requests_instead_of_a_fast_tpot(sim: SimSer
 def test_native_count_ahead_of_the_streamed_ids_is_caught_even_under_the_limit(sim: SimServer) -> None:
     # 6 tokens streamed, 12 claimed, 40 asked for: under the limit, so only the ids show the lie.
     sim.state.claim_factor, sim.state.stop_after_tokens = 2, 6
-    with pytest.raises(InsufficientDataError) as info:
-        run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=3, random_output_len=40, random_range_ratio=1.0))
-    partial = info.value.partial.requests
+    tables: dict = {}
+    with pytest.raises(InsufficientDataError):
+        run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=3, random_output_len=40, random_range_ratio=1.0),
+                    partial=tables)
+    partial = tables["serving_requests"]
     assert (partial["error_kind"] == "protocol").all()
     assert partial["error"].str.contains("reported 12 completion tokens but its last chunk carries 6 output ids").all()
 
@@ -217,10 +223,11 @@ def test_dripping_server_fails_each_request_at_its_deadline(sim: SimServer) -> N
     sim.state.drip_routes = {"/generate"}
     sim.state.drip_interval_s = 0.2
     started = time.monotonic()
-    with pytest.raises(InsufficientDataError) as info:
-        run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=2, request_timeout_s=1.0))
+    tables: dict = {}
+    with pytest.raises(InsufficientDataError):
+        run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=2, request_timeout_s=1.0), partial=tables)
     assert time.monotonic() - started < 5.0
-    partial = info.value.partial.requests
+    partial = tables["serving_requests"]
     assert (partial["error_kind"] == "timeout").all()
     assert partial["error"].str.contains("deadline of 1 s").all()
     assert partial["error"].str.contains("raise serving.request_timeout_s").all()

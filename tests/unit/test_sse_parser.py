@@ -1,4 +1,4 @@
-"""The load generator's fast stream path: SSE decoding, token counting, the keep-alive client."""
+"""The load generator's fast stream path: SSE decoding, each protocol's TokenStream, the keep-alive client."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import orjson
 import pytest
 
 from servegate.bench import protocol as proto
-from servegate.bench.serving import _Outcome, _Sink
+from servegate.bench.protocol import NATIVE, OPENAI
 from servegate.bench.stats import ARRIVAL_KS_ALPHA, client_validity
 from servegate.errors import ServerUnreachableError, StageError
+from servegate.http import StreamingClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,7 +82,7 @@ def _native(k: int, prompt: int = 9) -> bytes:
 
 
 def test_native_sink_counts_multi_token_chunks_and_keeps_only_times() -> None:
-    sink = _Sink(True, _Outcome())
+    sink = NATIVE.token_stream()
     assert not sink.feed(_native(1), 1.0)
     assert not sink.feed(_native(3) + _native(4), 2.0)  # speculative decoding: +2 then +1, one read
     assert sink.feed(b"data: [DONE]\n\n", 3.0)
@@ -91,7 +92,7 @@ def test_native_sink_counts_multi_token_chunks_and_keeps_only_times() -> None:
 
 
 def test_native_sink_error_chunk_is_a_stage_error() -> None:
-    sink = _Sink(True, _Outcome())
+    sink = NATIVE.token_stream()
     with pytest.raises(StageError, match="out of memory"):
         sink.feed(b'data: {"error": {"message": "out of memory"}}\n\n', 1.0)
 
@@ -104,16 +105,15 @@ def _openai(text: str, finish: str | None, usage: tuple[int, int] | None, choice
 
 
 def test_openai_sink_counts_tokens_usage_and_skips_finish_only_chunks() -> None:
-    out = _Outcome()
-    sink = _Sink(False, out)
+    sink = OPENAI.token_stream()
     sink.feed(_openai("a", None, (7, 1)), 1.0)
     sink.feed(_openai("", None, (7, 2)), 2.0)  # a token that decodes to nothing still counts
     sink.feed(_openai("", "length", None), 3.0)  # finish-only: no token
     sink.feed(_openai("", None, (7, 2), choices=False), 3.5)  # include_usage summary
     assert sink.feed(b"data: [DONE]\n\n", 4.0)
     assert sink.counts == [1, 2] and sink.times == [1.0, 2.0]
-    assert sink.usage_total == 2 and out.prompt_tokens == 7
-    without_usage = _Sink(False, _Outcome())
+    assert sink.usage_total == 2 and sink.prompt_tokens == 7 and sink.final_prompt_tokens() == 7
+    without_usage = OPENAI.token_stream()
     for i in range(3):
         without_usage.feed(_openai("t", None, None), float(i))
     assert without_usage.counts == [1, 2, 3]
@@ -121,9 +121,9 @@ def test_openai_sink_counts_tokens_usage_and_skips_finish_only_chunks() -> None:
 
 def test_openai_sink_rejects_errors_and_malformed_chunks() -> None:
     with pytest.raises(StageError, match="rate limited"):
-        _Sink(False, _Outcome()).feed(b'data: {"error": {"message": "rate limited"}}\n\n', 1.0)
+        OPENAI.token_stream().feed(b'data: {"error": {"message": "rate limited"}}\n\n', 1.0)
     with pytest.raises(StageError, match="malformed"):
-        _Sink(False, _Outcome()).feed(b'data: {"choices": [7]}\n\n', 1.0)
+        OPENAI.token_stream().feed(b'data: {"choices": [7]}\n\n', 1.0)
 
 
 def test_client_validity() -> None:
@@ -188,7 +188,7 @@ def test_stream_split_across_writes_and_keep_alive_reuse() -> None:
 
     async def main() -> None:
         server, url, conns = await _serve(handler)
-        async with server, proto.StreamingClient(url, {"Authorization": "Bearer k"}) as client:
+        async with server, StreamingClient(url, api_key="k") as client:
             for _ in range(3):
                 rec = _Recorder()
                 status, err, complete = await client.post_stream(client.request_bytes("/generate", b'{"q":1}'), rec)
@@ -208,7 +208,7 @@ def test_error_status_returns_its_body() -> None:
 
     async def main() -> None:
         server, url, _ = await _serve(handler)
-        async with server, proto.StreamingClient(url) as client:
+        async with server, StreamingClient(url) as client:
             rec = _Recorder()
             status, err, _ = await client.post_stream(client.request_bytes("/generate", b"{}"), rec)
             assert status == 503 and err == b'{"busy": 1}\n' and rec.data == b""
@@ -224,7 +224,7 @@ def test_a_server_closing_its_idle_connection_is_retried_once() -> None:
 
     async def main() -> None:
         server, url, conns = await _serve(handler)
-        async with server, proto.StreamingClient(url) as client:
+        async with server, StreamingClient(url) as client:
             for _ in range(2):
                 rec = _Recorder()
                 status, _, _ = await client.post_stream(client.request_bytes("/generate", b"{}"), rec)
@@ -242,11 +242,11 @@ def test_connection_cut_mid_stream_and_refused_connection_are_unreachable() -> N
 
     async def main() -> None:
         server, url, _ = await _serve(handler)
-        async with server, proto.StreamingClient(url) as client:
+        async with server, StreamingClient(url) as client:
             with pytest.raises(ServerUnreachableError, match="closed the connection mid-request"):
                 await client.post_stream(client.request_bytes("/generate", b"{}"), _Recorder())
         port = int(url.rsplit(":", 1)[1])
-        async with proto.StreamingClient(f"http://127.0.0.1:{port}") as client:
+        async with StreamingClient(f"http://127.0.0.1:{port}") as client:
             with pytest.raises(ServerUnreachableError, match="cannot connect"):
                 await client.post_stream(client.request_bytes("/generate", b"{}"), _Recorder())
 
@@ -260,13 +260,13 @@ def test_not_http_is_a_stage_error_and_a_bad_url_is_refused() -> None:
 
     async def main() -> None:
         server, url, _ = await _serve(handler)
-        async with server, proto.StreamingClient(url) as client:
+        async with server, StreamingClient(url) as client:
             with pytest.raises(StageError, match="malformed HTTP response"):
                 await client.post_stream(client.request_bytes("/generate", b"{}"), _Recorder())
 
     asyncio.run(main())
     with pytest.raises(StageError, match="http"):
-        proto.StreamingClient("unix:///tmp/sock")
+        StreamingClient("unix:///tmp/sock")
 
 
 def test_error_answer_ended_by_closing_the_connection_keeps_its_status() -> None:
@@ -277,7 +277,7 @@ def test_error_answer_ended_by_closing_the_connection_keeps_its_status() -> None
 
     async def main() -> None:
         server, url, _ = await _serve(handler)
-        async with server, proto.StreamingClient(url) as client:
+        async with server, StreamingClient(url) as client:
             status, err, complete = await client.post_stream(client.request_bytes("/generate", b"{}"), _Recorder())
             assert (status, err, complete) == (500, b"boom", False)
 
@@ -288,7 +288,7 @@ def test_error_answer_ended_by_closing_the_connection_keeps_its_status() -> None
                          ids=["compact", "spaced"])
 def test_openai_fast_and_slow_paths_agree(dumps) -> None:
     """Compact chunks take the bytes-level path, spaced ones the orjson path: same counts."""
-    sink = _Sink(False, _Outcome())
+    sink = OPENAI.token_stream()
     chunks = [{"choices": [{"index": 0, "text": 'a "finish_reason":null', "finish_reason": None}],
                "usage": {"prompt_tokens": 5, "completion_tokens": 1}},
               {"choices": [{"index": 0, "text": "b", "finish_reason": None}],
@@ -362,28 +362,28 @@ def test_check_count_within() -> None:
         proto.check_count_within(9, 8)
 
 
-def test_sink_count_error_per_protocol() -> None:
-    native = _Sink(True, _Outcome())
+def test_token_stream_count_error_per_protocol() -> None:
+    native = NATIVE.token_stream()
     native.feed(_native(1) + _native(2) + _native(3), 1.0)
     assert native.count_error(3) is None
     assert "asked for at most 2" in native.count_error(2)
-    liar = _Sink(True, _Outcome())
+    liar = NATIVE.token_stream()
     liar.feed(_native(1) + _native(2), 1.0)  # cumulative from here on: only the last chunk is read
     liar.feed(b"data: " + orjson.dumps({"text": "xxx", "output_ids": [0, 1, 2],
                                         "meta_info": {"completion_tokens": 30}}) + b"\n\n", 2.0)
     assert "reported 30 completion tokens but its last chunk carries 3 output ids" in liar.count_error(64)
 
-    honest = _Sink(False, _Outcome())
+    honest = OPENAI.token_stream()
     for i in range(1, 4):
         honest.feed(_openai("t", None, (5, i)), float(i))
     honest.feed(_openai("", None, (5, 3), choices=False), 4.0)
     assert honest.count_error(3) is None
-    contradicts = _Sink(False, _Outcome())
+    contradicts = OPENAI.token_stream()
     for i in range(1, 4):
         contradicts.feed(_openai("t", None, (5, i)), float(i))
     contradicts.feed(_openai("", None, (5, 40), choices=False), 4.0)
     assert "final usage says 40 completion tokens but its per-chunk usage reached 3" in contradicts.count_error(64)
-    grouped = _Sink(False, _Outcome())  # no per-chunk usage: chunks may group tokens, the total decides
+    grouped = OPENAI.token_stream()  # no per-chunk usage: chunks may group tokens, the total decides
     grouped.feed(_openai("tt", None, None), 1.0)
     grouped.feed(_openai("", None, (5, 4), choices=False), 2.0)
     assert grouped.count_error(4) is None
