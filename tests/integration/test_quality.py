@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import requests
 
+from servegate.bench.protocol import NATIVE
 from servegate.bench.quality import (
     QualityConfig,
     encode_item,
@@ -113,7 +114,7 @@ def test_worker_input_logprobs_match_in_process(worker, tiny):
 def test_server_ending_logprobs_equal_in_process_scoring(worker, tiny):
     model, tokenizer = tiny
     encoded = [encode_item(tokenizer, it) for it in load_mc_items(QualityConfig().dataset_path)[:6]]
-    served = server_ending_logprobs(worker.base_url, "native", encoded, concurrency=2)
+    served = server_ending_logprobs(worker.base_url, NATIVE, encoded, concurrency=2)
     local = score_items_in_process(model, encoded)
     for s_item, l_item, enc in zip(served, local, encoded):
         assert [len(e) for e in s_item] == [len(e) for e in enc.ending_ids]
@@ -248,13 +249,13 @@ def test_dripping_server_fails_the_quality_request_at_its_deadline(sim):
     started = time.monotonic()
     with pytest.raises(StageError, match=r"reference agreement \(POST .*/generate\) did not complete within its "
                                          r"deadline of 1 s .*raise quality.request_timeout_s"):
-        server_greedy_outputs(sim.base_url, "native", [[1, 2, 3]], 4, timeout_s=1.0)
+        server_greedy_outputs(sim.base_url, NATIVE, [[1, 2, 3]], 4, timeout_s=1.0)
     assert time.monotonic() - started < 5.0
 
 
 def test_server_that_requires_an_api_key(sim):
     sim.state.api_key = "sekrit"
-    ((ids, logprobs),) = server_greedy_outputs(sim.base_url, "native", [[1, 2, 3]], 4, api_key="sekrit")
+    ((ids, logprobs),) = server_greedy_outputs(sim.base_url, NATIVE, [[1, 2, 3]], 4, api_key="sekrit")
     assert len(ids) == 4 and logprobs == [-0.5] * 4
     with pytest.raises(StageError, match="401"):
-        server_greedy_outputs(sim.base_url, "native", [[1, 2, 3]], 4)
+        server_greedy_outputs(sim.base_url, NATIVE, [[1, 2, 3]], 4)

@@ -10,10 +10,8 @@ import pandas as pd
 import pytest
 
 from servegate.bench.quality import (
-    AGREEMENT_COLUMNS,
     DEFAULT_DATASET,
     DEFAULT_REFERENCE_PROMPTS,
-    ITEM_COLUMNS,
     EncodedItem,
     MCItem,
     QualityConfig,
@@ -29,6 +27,7 @@ from servegate.bench.quality import (
     summarise_agreement,
 )
 from servegate.errors import ConfigError, InsufficientDataError
+from servegate.tables import AGREEMENT_COLUMNS, ITEM_COLUMNS
 from servegate.worker.logprobs import input_token_logprobs
 from servegate.models import ensure_model, load_model
 
