@@ -111,7 +111,7 @@ def _capacity_skip_reason(cfg: OneBatchConfig, max_total_tokens: int | None, bat
 
 
 def run_offline_one_batch(model: str, cfg: OneBatchConfig, *, max_total_tokens: int | None = None,
-                          dtype: str = "bfloat16") -> pd.DataFrame:
+                          dtype: str = "bfloat16", partial: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
     """Run the batch_size x input_len x output_len grid in-process; one row per case.
 
     ``model`` is a name from ``servegate.models.MODEL_ALIASES`` or a local model
@@ -119,7 +119,8 @@ def run_offline_one_batch(model: str, cfg: OneBatchConfig, *, max_total_tokens: 
     have; a case needing more is a ``skipped`` row with its reason (unless
     ``cfg.skip_token_capacity_check``). A case whose forward fails (e.g. out of memory) is a
     ``failed`` row carrying the error; the remaining cases still run. ``cfg.mode`` is
-    not consulted: this function is the offline mode.
+    not consulted: this function is the offline mode. ``partial`` (when given) holds
+    ``{"one_batch": rows so far}`` however the run ends.
     """
     lm, _tokenizer = load_model(ensure_model(model), dtype=dtype)
     run_name = Path(model).name
@@ -128,20 +129,27 @@ def run_offline_one_batch(model: str, cfg: OneBatchConfig, *, max_total_tokens: 
 
     rows: list[dict[str, Any]] = []
     warmed_up = False
-    for batch_size, input_len, output_len in cases:
-        row: dict[str, Any] = {
-            "run_name": run_name, "mode": "offline", "batch_size": batch_size, "input_len": input_len,
-            "output_len": output_len, "repeat": 0, "status": "skipped", "skip_reason": None, "error": None,
-        }
-        reason = _capacity_skip_reason(cfg, max_total_tokens, batch_size, input_len, output_len)
-        if reason is not None:
-            log.info("skipping (bs=%d, in=%d, out=%d): %s", batch_size, input_len, output_len, reason)
-            rows.append(row | {"skip_reason": reason})
-            continue
-        for repeat in range(cfg.repeats):
-            warmed_up = _offline_case(lm, cfg, vocab_size, batch_size, input_len, output_len,
-                                      row | {"repeat": repeat}, rows, warmed_up)
+    try:
+        for batch_size, input_len, output_len in cases:
+            row: dict[str, Any] = {
+                "run_name": run_name, "mode": "offline", "batch_size": batch_size, "input_len": input_len,
+                "output_len": output_len, "repeat": 0, "status": "skipped", "skip_reason": None, "error": None,
+            }
+            reason = _capacity_skip_reason(cfg, max_total_tokens, batch_size, input_len, output_len)
+            if reason is not None:
+                log.info("skipping (bs=%d, in=%d, out=%d): %s", batch_size, input_len, output_len, reason)
+                rows.append(row | {"skip_reason": reason})
+                continue
+            for repeat in range(cfg.repeats):
+                warmed_up = _offline_case(lm, cfg, vocab_size, batch_size, input_len, output_len,
+                                          row | {"repeat": repeat}, rows, warmed_up)
+    finally:
+        if partial is not None:
+            partial["one_batch"] = _table(rows)
+    return _table(rows)
 
+
+def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=OFFLINE_ONE_BATCH_COLUMNS)
     table[_NUMERIC] = table[_NUMERIC].astype(float)
     return table
