@@ -1,4 +1,4 @@
-"""``servegate.http``'s whole-request deadline against a raw socket server that stalls at each
+"""``servegate.http``'s whole-request deadline (and its one error mapping and per-thread sessions) against a raw socket server that stalls at each
 stage of an HTTP answer: the status line and headers, a Content-Length body, a silent body.
 
 A per-read timeout never fires while a byte keeps coming; the deadline must, from send to
@@ -7,6 +7,7 @@ last byte, whichever part of the answer is slow (issue 11 #10).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -17,7 +18,14 @@ import pytest
 import requests
 
 from servegate.errors import ServerUnreachableError, StageError
-from servegate.http import make_session, request_within, stream_within
+from servegate.http import (
+    StreamingClient,
+    ThreadSessions,
+    api_key_headers,
+    make_session,
+    request_within,
+    stream_within,
+)
 
 from sim_server import free_port
 
@@ -145,3 +153,37 @@ def test_the_api_key_rides_on_every_request_of_the_session(raw: RawServer) -> No
     session = make_session("sekrit")
     assert session.headers["Authorization"] == "Bearer sekrit"
     assert "Authorization" not in make_session().headers
+
+
+def test_thread_sessions_one_per_thread_each_with_the_key() -> None:
+    seen: dict[str, requests.Session] = {}
+    with ThreadSessions("sekrit") as sessions:
+        def grab(name: str) -> None:
+            seen[name] = sessions.get()
+            assert sessions.get() is seen[name]  # the same session for the same thread
+
+        threads = [threading.Thread(target=grab, args=(f"t{i}",)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        grab("main")
+    assert len({id(s) for s in seen.values()}) == 4
+    assert all(s.headers["Authorization"] == "Bearer sekrit" for s in seen.values())
+    assert api_key_headers("k") == {"Authorization": "Bearer k"} and api_key_headers(None) == {}
+
+
+def test_both_clients_map_a_refused_connection_the_same_way() -> None:
+    port = free_port()
+    with make_session() as session, pytest.raises(ServerUnreachableError) as blocking:
+        request_within(session, "POST", f"http://127.0.0.1:{port}/generate", limit_s=5, what="req", setting=None)
+
+    async def stream() -> None:
+        async with StreamingClient(f"http://127.0.0.1:{port}") as client:
+            await client.post_stream(client.request_bytes("/generate", b"{}"), None)  # type: ignore[arg-type]
+
+    with pytest.raises(ServerUnreachableError) as streamed:
+        asyncio.run(stream())
+    for exc in (blocking.value, streamed.value):  # the advice is written once, in servegate.http.errors
+        assert "check that the server is running and the URL" in str(exc)
+        assert not isinstance(exc.__cause__, ServerUnreachableError)
