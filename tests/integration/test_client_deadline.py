@@ -1,5 +1,6 @@
-"""``servegate.http``'s whole-request deadline (and its one error mapping and per-thread sessions) against a raw socket server that stalls at each
-stage of an HTTP answer: the status line and headers, a Content-Length body, a silent body.
+"""``servegate.http``'s whole-request deadline against a raw socket server that stalls at each
+stage of an HTTP answer: the status line and headers, a Content-Length body, a silent body;
+then its one transport-error mapping and its per-thread sessions.
 
 A per-read timeout never fires while a byte keeps coming; the deadline must, from send to
 last byte, whichever part of the answer is slow (issue 11 #10).
