@@ -17,8 +17,6 @@ so a reader never sees half a table and an interrupted write leaves the old file
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import platform
 import re
@@ -39,6 +37,7 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import servegate
+from servegate import jsonio
 from servegate.config import REDACTED, GateConfig, is_secret_env_name, redact_url
 from servegate.errors import ConfigError, StageError
 
@@ -232,23 +231,6 @@ def _atomic_open(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
         raise
 
 
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, BaseModel):
-        return obj.model_dump(mode="json")
-    if isinstance(obj, datetime):
-        return obj.isoformat()
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "tolist"):  # numpy arrays and scalars
-        return obj.tolist()
-    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
-
-
-def _dumps(obj: Any, **kwargs: Any) -> str:
-    # allow_nan=False: NaN/inf are not JSON; callers must turn "no value" into None first.
-    return json.dumps(obj, default=_json_default, allow_nan=False, **kwargs)
-
-
 def _is_container(value: Any) -> bool:
     return isinstance(value, (list, tuple, dict)) or (hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0)
 
@@ -259,30 +241,8 @@ def _csv_frame(df: pd.DataFrame) -> pd.DataFrame:
     for col in out.columns:
         if out[col].dtype == object and out[col].map(_is_container).any():
             out[col] = out[col].map(
-                lambda v: _dumps(v.tolist() if hasattr(v, "tolist") else v) if _is_container(v) else v)
+                lambda v: jsonio.dumps(v) if _is_container(v) else v)
     return out
-
-
-def _records_jsonable(value: Any) -> Any:
-    if value is pd.NA or value is pd.NaT:
-        return None
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy scalar
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _finite_json(value: Any) -> Any:
-    """Non-finite floats as the strings "inf", "-inf", "nan" (JSON has no such numbers and
-    GateConfig parses these strings back), recursively through dicts and lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_json(v) for v in value]
-    return value
 
 
 def _redact(snapshot: dict[str, Any]) -> dict[str, Any]:
@@ -377,14 +337,14 @@ class RunFolder:
         name contains TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL; passwords in ``store.url`` and
         ``worker.url`` become ``***`` (run folders get shared and archived).
         """
-        snapshot = _redact(_finite_json(cfg.model_dump(mode="json", by_alias=True)))
+        snapshot = _redact(jsonio.non_finite_as_strings(cfg.model_dump(mode="json", by_alias=True)))
         m = self._manifest
         m.config = snapshot
         m.hardware = cfg.hardware
         m.engine = cfg.worker.engine
         m.model = cfg.worker.model
         m.seeds = {"one_batch": cfg.one_batch.seed, "serving": cfg.serving.seed}
-        path = self._write_text(CONFIG_FILE, _dumps(snapshot, indent=2))
+        path = self._write_text(CONFIG_FILE, jsonio.dumps(snapshot, indent=True))
         self.write_manifest()
         return path
 
@@ -414,17 +374,13 @@ class RunFolder:
         path = self._path / f"{name}.jsonl"
         with _atomic_open(path, "w") as fh:
             for rec in records:
-                fh.write(_dumps({k: _records_jsonable(v) for k, v in rec.items()}) + "\n")
+                fh.write(jsonio.dumps(rec) + "\n")
         return path
 
     def write_json(self, name: str, obj: Any) -> Path:
-        """Write ``<name>.json``; pydantic models are dumped in JSON mode."""
+        """Write ``<name>.json`` by :mod:`servegate.jsonio` (pydantic models in JSON mode, NaN as null)."""
         _check_name(name)
-        if isinstance(obj, BaseModel):
-            text = obj.model_dump_json(indent=2)
-        else:
-            text = _dumps(obj, indent=2)
-        return self._write_text(f"{name}.json", text)
+        return self._write_text(f"{name}.json", jsonio.dumps(obj, indent=True))
 
     def record_stage(self, record: StageRecord) -> None:
         """Append (or replace, on a re-run) a stage record and rewrite the manifest at once."""
@@ -457,10 +413,10 @@ class RunFolder:
     def read_jsonl(self, name: str) -> list[dict[str, Any]]:
         path = self._path / f"{_check_name(name)}.jsonl"
         with open(path, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+            return [jsonio.loads(line) for line in fh if line.strip()]
 
     def read_json(self, name: str) -> Any:
-        return json.loads((self._path / f"{_check_name(name)}.json").read_text(encoding="utf-8"))
+        return jsonio.loads((self._path / f"{_check_name(name)}.json").read_text(encoding="utf-8"))
 
     # ---- internals ------------------------------------------------------------------
     def _write_text(self, filename: str, text: str) -> Path:

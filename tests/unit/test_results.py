@@ -109,6 +109,16 @@ def test_jsonl_from_dataframe_records(folder):
                                               {"batch_size": None, "latency": None}]
 
 
+def test_documents_follow_the_one_json_policy(folder):
+    # NaN as null (a document never fails on a missing measurement), numpy and datetimes converted.
+    folder.write_json("server_info", {"ratio": math.nan, "n": pd.Series([3]).iloc[0],
+                                      "at": pd.Timestamp("2026-11-30T08:00:00Z")})
+    assert folder.read_json("server_info") == {"ratio": None, "n": 3, "at": "2026-11-30T08:00:00+00:00"}
+    stage = StageRecord(stage="serving", status="ok", duration_s=1.0)
+    folder.write_json("stage", stage)
+    assert StageRecord.model_validate(folder.read_json("stage")) == stage
+
+
 def test_stage_records_are_persisted_immediately(folder):
     folder.record_stage(StageRecord(stage="one_batch", status="ok", duration_s=1.5,
                                     tables=["one_batch.parquet", "one_batch.csv"]))
