@@ -17,7 +17,7 @@ from servegate.validate import (
     resolve_expectations_dir,
     validate_tables,
 )
-from servegate.verdict import decide
+from servegate.verdict import decide_verdict
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,10 +85,10 @@ def passing_tables() -> dict[str, pd.DataFrame]:
 def test_comparison_regression_fails_and_missing_history_is_inconclusive():
     tables = passing_tables()
     tables["comparison"] = comparison_table(("regression", "no_change", "report_only"), (True, True, False))
-    verdict = decide(validate_tables(tables, "smoke"), [])
+    verdict = decide_verdict(validate_tables(tables, "smoke"), [])
     assert verdict.status == "fail" and [b.column for b in verdict.breaches] == ["decision"]
     tables["comparison"] = comparison_table(("insufficient_data", "insufficient_data"), (True, False))
-    verdict = decide(validate_tables(tables, "smoke"), [])
+    verdict = decide_verdict(validate_tables(tables, "smoke"), [])
     assert verdict.status == "inconclusive" and verdict.breaches == []
     assert any("insufficient data" in e for e in verdict.infra_errors)
     assert verdict.baseline_eligible  # so that a new gate key can build its history
@@ -119,7 +119,7 @@ def test_shipped_suite_loads_and_passes_plausible_tables(profile):
     outcomes = validate_tables(passing_tables(), profile)
     failed = [o for o in outcomes if o.success is not True]
     assert failed == []
-    assert decide(outcomes, []).status == "pass"
+    assert decide_verdict(outcomes, []).status == "pass"
 
 
 def test_shipped_suites_fail_on_failed_requests_and_low_occupancy():
@@ -141,13 +141,13 @@ def test_an_engine_without_the_occupancy_gauge_is_not_applicable_never_a_breach(
     skipped = [o for o in outcomes if not o.applicable]
     assert {(o.table, o.column) for o in skipped} == {("occupancy_summary", "fwd_occupancy_median")}
     assert all(o.success is None and o.reason.startswith("not applicable") for o in skipped)
-    verdict = decide(outcomes, [])
+    verdict = decide_verdict(outcomes, [])
     assert verdict.status == "pass" and verdict.breaches == [], verdict
     assert "occupancy_summary.fwd_occupancy_median" in verdict.not_applicable
     assert verdict.summary.not_applicable == len(skipped)
     # With the gauge, the same NaN is a breach of the not-null check: applies_when hides nothing else.
     tables["occupancy_summary"]["fwd_occupancy_applicable"] = True
-    assert decide(validate_tables(tables, profile), []).status == "fail"
+    assert decide_verdict(validate_tables(tables, profile), []).status == "fail"
 
 
 def test_spec_accept_length_judged_only_when_present():
@@ -225,7 +225,7 @@ def test_each_failing_expectation(suite_dir):
     assert out[("occupancy_summary", "fwd_occupancy_median")].observed == 42.0
     assert out[("occupancy_summary", "fwd_occupancy_median")].allowed == ">= 50"
 
-    verdict = decide(list(out.values()), [])
+    verdict = decide_verdict(list(out.values()), [])
     assert verdict.status == "fail" and len(verdict.breaches) == 7
 
 
@@ -235,8 +235,8 @@ def test_missing_table_is_not_produced(suite_dir):
     outcomes = validate_tables(tables, "t", suite_dir)
     occ = [o for o in outcomes if o.table == "occupancy_summary"]
     assert [(o.success, o.table_produced, o.reason) for o in occ] == [(None, False, TABLE_NOT_PRODUCED)]
-    assert decide(outcomes, [], {"occupancy": "not_applicable"}).status == "pass"
-    assert decide(outcomes, []).status == "inconclusive"
+    assert decide_verdict(outcomes, [], {"occupancy": "not_applicable"}).status == "pass"
+    assert decide_verdict(outcomes, []).status == "inconclusive"
 
 
 def test_empty_table_and_missing_column_are_infra(suite_dir):
@@ -249,7 +249,7 @@ def test_empty_table_and_missing_column_are_infra(suite_dir):
     assert all(o.table_produced for o in bad)
     assert all("insufficient data" in o.reason for o in bad if o.table == "serving_summary")
     assert "fwd_occupancy_median" in next(o.reason for o in bad if o.table == "occupancy_summary")
-    verdict = decide(outcomes, [])
+    verdict = decide_verdict(outcomes, [])
     assert verdict.status == "inconclusive" and verdict.breaches == []
 
 

@@ -1,14 +1,17 @@
-"""Verdict rules: every branch of decide(), and the two renderings."""
+"""Verdict rules: every branch of decide_verdict(), the exit codes, and the two renderings."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
+from servegate.render import format_verdict_table, verdict_markdown
 from servegate.validate import TABLE_NOT_PRODUCED, ExpectationOutcome
-from servegate.verdict import Verdict, decide, format_verdict_table, verdict_markdown
+from servegate.verdict import ExitCode, Verdict, decide_verdict
 
 
 def outcome(table="serving_summary", column="failed", success=True, produced=True, reason=None,
@@ -23,15 +26,15 @@ def not_produced(table):
 
 
 def test_pass():
-    v = decide([outcome(), outcome(table="occupancy_summary", column="fwd_occupancy_median")], [])
+    v = decide_verdict([outcome(), outcome(table="occupancy_summary", column="fwd_occupancy_median")], [])
     assert (v.status, v.exit_code, v.breaches, v.infra_errors) == ("pass", 0, [], [])
     assert v.summary.passed == 2 and v.summary.expectations == 2
 
 
 def test_fail_lists_every_breach():
-    v = decide([outcome(success=False, observed=3),
-                outcome(column="p90_ttft_ms", success=False, observed=1500.0, allowed="<= 1000", source="SLO"),
-                outcome(column="completed")], [])
+    v = decide_verdict([outcome(success=False, observed=3),
+                        outcome(column="p90_ttft_ms", success=False, observed=1500.0, allowed="<= 1000", source="SLO"),
+                        outcome(column="completed")], [])
     assert (v.status, v.exit_code) == ("fail", 1)
     assert [(b.column, b.observed, b.allowed, b.source) for b in v.breaches] == [
         ("failed", 3, "<= 0", "absolute: no failed requests"), ("p90_ttft_ms", 1500.0, "<= 1000", "SLO")]
@@ -39,7 +42,7 @@ def test_fail_lists_every_breach():
 
 
 def test_infra_error_makes_breaches_inconclusive():
-    v = decide([outcome(success=False, observed=3)], ["worker died during serving: exit -9"])
+    v = decide_verdict([outcome(success=False, observed=3)], ["worker died during serving: exit -9"])
     assert (v.status, v.exit_code) == ("inconclusive", 2)
     assert len(v.breaches) == 1  # still listed
     assert "not trusted as a regression" in v.reason
@@ -47,47 +50,47 @@ def test_infra_error_makes_breaches_inconclusive():
 
 
 def test_failed_stage_is_infra_even_without_message():
-    v = decide([outcome()], [], {"serving": "ok", "occupancy": "failed"})
+    v = decide_verdict([outcome()], [], {"serving": "ok", "occupancy": "failed"})
     assert v.status == "inconclusive" and v.infra_errors == ["stage occupancy failed"]
 
 
 def test_unevaluated_expectation_on_produced_table_is_infra():
-    v = decide([outcome(), outcome(table="occupancy_summary", column="fwd_occupancy_median", success=None,
+    v = decide_verdict([outcome(), outcome(table="occupancy_summary", column="fwd_occupancy_median", success=None,
                                    reason="table 'occupancy_summary' is empty (0 rows): insufficient data")], [])
     assert v.status == "inconclusive" and v.summary.not_evaluated == 1
     assert "insufficient data" in v.infra_errors[0]
 
 
 def test_missing_required_table_is_inconclusive():
-    v = decide([outcome(), not_produced("occupancy_summary")], [], {"occupancy": "ok"})
+    v = decide_verdict([outcome(), not_produced("occupancy_summary")], [], {"occupancy": "ok"})
     assert v.status == "inconclusive" and v.not_validated == ["occupancy_summary"] and v.not_applicable == []
 
 
 def test_missing_table_without_stage_status_is_inconclusive():
-    assert decide([outcome(), not_produced("one_batch")], []).status == "inconclusive"
+    assert decide_verdict([outcome(), not_produced("one_batch")], []).status == "inconclusive"
 
 
 @pytest.mark.parametrize("status", ["skipped", "not_applicable"])
 def test_missing_table_of_exempt_stage_passes(status):
-    v = decide([outcome(), not_produced("occupancy_summary")], [], {"serving": "ok", "occupancy": status})
+    v = decide_verdict([outcome(), not_produced("occupancy_summary")], [], {"serving": "ok", "occupancy": status})
     assert v.status == "pass" and v.not_applicable == ["occupancy_summary"]
 
 
 def test_breach_beats_missing_table():
-    v = decide([outcome(success=False, observed=1), not_produced("occupancy_summary")], [])
+    v = decide_verdict([outcome(success=False, observed=1), not_produced("occupancy_summary")], [])
     assert v.status == "fail"
 
 
 def test_nothing_evaluated_never_passes():
-    v = decide([not_produced("occupancy_summary")], [], {"occupancy": "not_applicable"})
+    v = decide_verdict([not_produced("occupancy_summary")], [], {"occupancy": "not_applicable"})
     assert v.status == "inconclusive" and "does not pass on nothing" in v.reason
-    assert decide([], []).status == "inconclusive"
+    assert decide_verdict([], []).status == "inconclusive"
 
 
 def test_renderings_and_json_roundtrip():
-    v = decide([outcome(success=False, observed={"unexpected_count": 1, "element_count": 3,
+    v = decide_verdict([outcome(success=False, observed={"unexpected_count": 1, "element_count": 3,
                                                  "unexpected_values": ["failed"]}),
-                not_produced("occupancy_summary")], ["flush | busy"], {"occupancy": "not_applicable"})
+                        not_produced("occupancy_summary")], ["flush | busy"], {"occupancy": "not_applicable"})
     text = format_verdict_table(v)
     assert text.startswith("VERDICT: INCONCLUSIVE (exit 2)")
     assert "serving_summary" in text and "<= 0" in text and "flush | busy" in text
@@ -107,7 +110,7 @@ HOSTILE = "<img src=x onerror=alert(1)> | `rm -rf` [click](http://evil.example) 
 def test_markdown_escapes_server_text():
     """A server's error text reaches the verdict's infra errors and breaches; in the Prefect
     artifact it must render as that text, not as HTML, a link, a code span or an extra column."""
-    v = decide([outcome(success=False, observed=HOSTILE, allowed="<= 0 | x", source=HOSTILE)], [HOSTILE])
+    v = decide_verdict([outcome(success=False, observed=HOSTILE, allowed="<= 0 | x", source=HOSTILE)], [HOSTILE])
     md = verdict_markdown(v)
     assert "<img" not in md and "&lt;img src=x onerror=alert(1)>" in md
     assert "[click](" not in md and "\\[click\\](http://evil.example)" in md
@@ -120,6 +123,22 @@ def test_markdown_escapes_server_text():
 
 
 def test_terminal_table_drops_escape_sequences():
-    v = decide([outcome(success=False, observed=HOSTILE)], [HOSTILE])
+    v = decide_verdict([outcome(success=False, observed=HOSTILE)], [HOSTILE])
     text = format_verdict_table(v)
     assert "\x1b" not in text and "red" in text
+
+
+def test_exit_codes_are_defined_once_on_the_verdict():
+    assert [(c.name, int(c)) for c in ExitCode] == [("PASS", 0), ("FAIL", 1), ("UNDECIDED", 2)]
+    assert [ExitCode.of(s) for s in ("pass", "fail", "inconclusive")] == [0, 1, 2]
+    v = decide_verdict([outcome(success=False, observed=3)], [])
+    assert v.exit_code is ExitCode.FAIL and f"{v.exit_code}" == "1"
+    assert "(exit 1)" in format_verdict_table(v) and "(exit 1)" in verdict_markdown(v)
+
+
+def test_the_verdict_module_stays_light():
+    # The command line takes ExitCode from it on every error path.
+    code = ("import sys, servegate.verdict; "
+            "print(sorted(m for m in ('pandas', 'great_expectations', 'servegate.validate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

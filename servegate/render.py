@@ -1,0 +1,180 @@
+"""Verdicts and untrusted text for people: the terminal table, the Markdown artifact.
+
+:mod:`servegate.verdict` decides; this module shows. It imports nothing of servegate at run
+time, so the verdict can word its messages with :func:`observed_text`; :mod:`servegate.report`
+builds the HTML report, JUnit and CI summary on the same text helpers.
+
+Breaches and infra errors carry text a server wrote (an error body, a model name). Rendered as
+is, it could inject HTML into a Prefect artifact or CI summary, break a Markdown table, or send
+escape sequences to a terminal: every renderer here passes it through :func:`terminal_text`,
+:func:`markdown_text`, :func:`markdown_cell` or :func:`markdown_code`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from servegate.verdict import Verdict
+
+__all__ = [
+    "calibration_text",
+    "format_verdict_table",
+    "markdown_cell",
+    "markdown_code",
+    "markdown_text",
+    "observed_text",
+    "percent_text",
+    "terminal_text",
+    "verdict_markdown",
+]
+
+
+# ---- untrusted text -------------------------------------------------------------------------
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0/C1 controls but tab and newline
+_MARKDOWN_PUNCT_RE = re.compile(r"([\\`*\[\]])")  # code spans, emphasis, links and images
+
+
+def terminal_text(value: Any) -> str:
+    """``value`` as text without control characters (terminal escape sequences); lines kept."""
+    return _CONTROL_RE.sub("\N{REPLACEMENT CHARACTER}", str(value))
+
+
+_HTML_START_RE = re.compile(r"&(?=#?\w+;)|<(?=[A-Za-z/!?])")  # what can start an entity or a tag
+
+
+def markdown_text(value: Any) -> str:
+    """Untrusted ``value`` as one line of Markdown prose that renders as the same text: ``<`` and
+    ``&`` that could start an HTML tag, comment or entity escaped (``<= 0`` stays readable),
+    ``\\ ` * [ ]`` backslash-escaped (no code span, emphasis, link or image), control
+    characters and line breaks made spaces."""
+    text = " ".join(_CONTROL_RE.sub(" ", str(value)).split())
+    text = _MARKDOWN_PUNCT_RE.sub(r"\\\1", text)
+    return _HTML_START_RE.sub(lambda m: html.escape(m.group(0)), text)
+
+
+def markdown_cell(value: Any) -> str:
+    """``markdown_text`` for a table cell: pipes escaped too (a ``|`` would start a new column)."""
+    return markdown_text(value).replace("|", "\\|")
+
+
+def markdown_code(value: Any, *, in_table: bool = False) -> str:
+    """``value`` as an inline code span it cannot close: fenced by one backtick more than its
+    longest run of backticks (CommonMark); in a table, pipes are escaped (GFM splits cells on
+    them even inside code)."""
+    text = " ".join(_CONTROL_RE.sub(" ", str(value)).split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    code = f"{fence}{pad}{text}{pad}{fence}"
+    return code.replace("|", "\\|") if in_table else code
+
+
+def _cell(value: Any, width: int = 40) -> str:
+    text = "-" if value is None else str(value)
+    text = " ".join(_CONTROL_RE.sub(" ", text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def observed_text(observed: Any) -> str:
+    """A breach's observed value for people: the value, or '1 of 3 rows: ['failed']'."""
+    if isinstance(observed, dict) and "unexpected_count" in observed:
+        values = observed.get("unexpected_values") or []
+        return (f"{observed['unexpected_count']} of {observed.get('element_count')} rows"
+                + (f": {values}" if values else ""))
+    if isinstance(observed, dict) and "missing_values" in observed:
+        return f"missing {observed['missing_values']}"
+    if isinstance(observed, float):
+        return f"{observed:.6g}"
+    return "-" if observed is None else str(observed)
+
+
+def _grid(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(x.rstrip() for x in [line, sep, *body])
+
+
+def percent_text(value: Any) -> str:
+    """A fraction as ``12.3%``; ``-`` for a missing or non-finite value."""
+    return f"{100 * float(value):.1f}%" if value is not None and math.isfinite(float(value)) else "-"
+
+
+def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
+    """One paragraph on how far the relative verdict can be trusted (``servegate calibrate``
+    figures), or None when the gate key was never calibrated."""
+    if not calibration:
+        return None
+    gate = calibration.get("gate_false_alarms_at_bound") or {}
+    bound = calibration.get("bound")
+    at = str(calibration.get("at") or "")[:16].replace("T", " ")
+    text = (f"calibrated {at} UTC from {calibration.get('aa_runs')} A/A and {calibration.get('ab_runs')} "
+            f"slowdown run(s)")
+    if gate and bound is not None:
+        upper = gate.get("false_alarm_upper95")
+        text += (f": gate-level false alarms {gate.get('false_alarms')}/{gate.get('comparisons')} at a "
+                 f"{bound:.0%} bound" + (f" (95% upper bound {upper:.0%})" if upper is not None else ""))
+    detectable = [f"{m['metric']}{' [' + m['case'] + ']' if m.get('case') else ''} {m['min_detectable']:.1%}"
+                  for m in calibration.get("metrics") or [] if m.get("min_detectable") is not None]
+    if detectable:
+        text += "; smallest change detected 95% of the time: " + ", ".join(detectable)
+    return text
+
+
+def format_verdict_table(verdict: Verdict) -> str:
+    """A plain-text report for the terminal: status line, breaches table, infra errors, gaps."""
+    s = verdict.summary
+    lines = [f"VERDICT: {verdict.status.upper()} (exit {verdict.exit_code}) - {terminal_text(verdict.reason)}",
+             f"expectations: {s.expectations}  passed: {s.passed}  failed: {s.failed}  "
+             f"not evaluated: {s.not_evaluated}  not produced: {s.not_produced}"]
+    if verdict.breaches:
+        rows = [[b.table, _cell(b.column, 24), b.expectation.removeprefix("expect_"), _cell(observed_text(b.observed)),
+                 _cell(b.allowed), _cell(b.source, 50)] for b in verdict.breaches]
+        lines += ["", "Breaches:", _grid(["table", "column", "expectation", "observed", "allowed", "source"], rows)]
+    if verdict.infra_errors:
+        lines += ["", "Infrastructure problems (not a regression):",
+                  *(f"  - {terminal_text(e)}" for e in verdict.infra_errors)]
+    if verdict.not_validated:
+        na = set(verdict.not_applicable)
+        lines += ["", "Not validated (table not produced):",
+                  *(f"  - {t}{' (stage skipped / not applicable)' if t in na else ''}" for t in verdict.not_validated)]
+    calibration = calibration_text(verdict.calibration)
+    if calibration:
+        lines += ["", f"Trust: {terminal_text(calibration)}"]
+    return "\n".join(lines)
+
+
+def _md(value: Any) -> str:
+    return markdown_cell(_cell(value, 80))
+
+
+def verdict_markdown(verdict: Verdict) -> str:
+    """The verdict as Markdown (a Prefect artifact / CI summary)."""
+    icon = {"pass": "✅", "fail": "❌", "inconclusive": "⚠️"}[verdict.status]
+    s = verdict.summary
+    out = [f"## {icon} Verdict: **{verdict.status}** (exit {verdict.exit_code})", "", markdown_text(verdict.reason), "",
+           "| expectations | passed | failed | not evaluated | not produced |",
+           "|---:|---:|---:|---:|---:|",
+           f"| {s.expectations} | {s.passed} | {s.failed} | {s.not_evaluated} | {s.not_produced} |"]
+    if verdict.breaches:
+        out += ["", "### Breaches", "", "| table | column | expectation | observed | allowed | source |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {_md(b.table)} | {_md(b.column)} | {markdown_code(b.expectation, in_table=True)} | "
+                f"{_md(observed_text(b.observed))} | {_md(b.allowed)} | {_md(b.source)} |" for b in verdict.breaches]
+    if verdict.infra_errors:
+        out += ["", "### Infrastructure problems (not a regression)", ""]
+        out += [f"- {markdown_text(e)}" for e in verdict.infra_errors]
+    if verdict.not_validated:
+        na = set(verdict.not_applicable)
+        out += ["", "### Not validated", ""]
+        out += [f"- {markdown_code(t)}{' (stage skipped / not applicable)' if t in na else ' (not produced)'}"
+                for t in verdict.not_validated]
+    calibration = calibration_text(verdict.calibration)
+    if calibration:
+        out += ["", f"**Trust:** {markdown_text(calibration)}"]
+    return "\n".join(out) + "\n"
