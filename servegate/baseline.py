@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servegate.errors import ConfigError
-from servegate.store import GateKey, RunRecord, Store
+from servegate.history import GateKey, RunRecord, Store
 
 __all__ = [
     "BaselinePolicy",

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import sqlalchemy as sa
 
-from servegate.store import MIGRATIONS, SCHEMA_VERSION, Store
+from servegate.history import MIGRATIONS, SCHEMA_VERSION, Store
 
 RACERS = 6
 TRIALS = 12
