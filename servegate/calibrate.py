@@ -41,7 +41,6 @@ Calibration runs themselves go to their own run folders and are not recorded as 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,14 +51,15 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from servegate.compare import (DEFAULT_TAIL_BOUND, GATED_METRICS, GatedMetric, compare_tables, decide,
-                               estimate_run_noise)
-from servegate.calibrate_cli import CalibrationPlan
+from servegate import jsonio
+from servegate.calibration_plan import CalibrationPlan
+from servegate.compare import DEFAULT_TAIL_BOUND, compare_tables, decide_change, estimate_run_noise
 from servegate.config import GateConfig
 from servegate.errors import ConfigError, InfraError
-from servegate.gate import MEASUREMENT_STAGES
+from servegate.gated_metrics import GATED_METRICS, GatedMetric
+from servegate.render import percent_text
+from servegate.stages import MEASUREMENT_STAGES
 from servegate.tables import TABLE_STAGE
-from servegate.verdict import percent_text
 
 __all__ = [
     "CalibrationPlan",
@@ -206,7 +206,8 @@ def analyse(runs: Sequence[CalibrationRun], plan: CalibrationPlan, *,
         statistic = rows["statistic"].iloc[0]
         # Tails are gated with their own minimum effect (compare.tail_bound) whatever the median bound.
         for eff in (plan.bounds if statistic == "median" else (tail_bound,)):
-            decisions = [decide(lo, hi, d, eff) for lo, hi, d in zip(aa["ci_low"], aa["ci_high"], aa["direction"])]
+            decisions = [decide_change(lo, hi, d, eff)
+                         for lo, hi, d in zip(aa["ci_low"], aa["ci_high"], aa["direction"])]
             alarms = sum(d == "regression" for d in decisions)
             fig: dict[str, Any] = {
                 "metric": metric, "case": case, "statistic": statistic, "direction": rows["direction"].iloc[0],
@@ -220,7 +221,7 @@ def analyse(runs: Sequence[CalibrationRun], plan: CalibrationPlan, *,
             }
             for pct in plan.slowdowns_pct:
                 b = rows[(rows["slowdown_pct"] == pct) & rows["gated"]]
-                hits = sum(decide(lo, hi, d, eff) == "regression"
+                hits = sum(decide_change(lo, hi, d, eff) == "regression"
                            for lo, hi, d in zip(b["ci_low"], b["ci_high"], b["direction"]))
                 rate = hits / len(b) if len(b) else math.nan
                 fig[f"detected_{pct:g}pct"] = rate
@@ -243,7 +244,7 @@ def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons
         flagged = 0
         for _, rows in aa.groupby("run"):
             eff = np.where(rows["statistic"] == "median", bound, tail_bound)  # tails: their own bound, as analyse
-            flagged += any(decide(lo, hi, d, b) == "regression"
+            flagged += any(decide_change(lo, hi, d, b) == "regression"
                            for lo, hi, d, b in zip(rows["ci_low"], rows["ci_high"], rows["direction"], eff))
         n = int(aa["run"].nunique())
         gate_level[f"{bound:g}"] = {"comparisons": n, "false_alarms": flagged,
@@ -291,5 +292,5 @@ def format_calibration(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str
 
 def figures_records(figures: pd.DataFrame) -> list[dict[str, Any]]:
     """JSON-clean records (NaN -> None) for the store and ``--json``."""
-    return json.loads(figures.to_json(orient="records"))
+    return jsonio.to_jsonable(figures.to_dict(orient="records"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
-from servegate.store import GateKey, Store
+from servegate.history import GateKey, Store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from test_store import KEY, T0, run_inputs, synthetic_tables
 
-from servegate.compare import GATED_METRICS, compare_run
+from servegate.compare import compare_run
+from servegate.gated_metrics import GATED_METRICS
 from servegate.report import PLOT_NAMES, render_report, write_junit, write_markdown_summary, write_report
-from servegate.store import GateKey, Store
+from servegate.history import GateKey, Store
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

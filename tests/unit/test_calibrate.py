@@ -14,8 +14,8 @@ from servegate.calibrate import (SLOWDOWN_FLAG, CalibrationPlan, CalibrationRun,
 from servegate.compare import calibration_figures, calibration_summary, compare_run, compare_tables
 from servegate.config import load_config
 from servegate.errors import ConfigError, InfraError
-from servegate.store import GateKey, Store
-from servegate.verdict import calibration_text
+from servegate.history import GateKey, Store
+from servegate.render import calibration_text
 
 
 def _tables(seed: int, slowdown: float = 0.0, night: float = 1.0) -> dict[str, pd.DataFrame]:

@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from servegate.compare import (GATED_METRICS, compare_tables, decide, extract_requests, extract_samples,
-                               ratio_ci_median, ratio_ci_quantile)
+from servegate.bootstrap import ratio_ci_median, ratio_ci_quantile
+from servegate.compare import compare_tables, decide_change
+from servegate.gated_metrics import GATED_METRICS, extract_requests, extract_samples
 from servegate.errors import ConfigError
 from servegate.tables import COMPARISON_COLUMNS
 
@@ -72,8 +73,8 @@ def _by_metric(df: pd.DataFrame, metric: str, case: str = "") -> dict:
     (0.93, 1.02, "higher_is_better", "inconclusive"),
     (math.nan, 1.5, "lower_is_better", "inconclusive"),
 ])
-def test_decide(low: float, high: float, direction: str, expected: str) -> None:
-    assert decide(low, high, direction, 0.05) == expected
+def test_decide_change(low: float, high: float, direction: str, expected: str) -> None:
+    assert decide_change(low, high, direction, 0.05) == expected
 
 
 def test_extract_samples_counts_only_successful_requests_and_measured_cases() -> None:
@@ -141,7 +142,7 @@ def test_p99_is_reported_but_gated_only_with_enough_samples() -> None:
     rng = np.random.default_rng(0)
     base, cur = rng.lognormal(0, 0.3, 3000), rng.lognormal(0, 0.3, 3000) * 1.3
     ratio, low, high = ratio_ci_quantile(cur, base, 0.99)
-    assert 1.1 < low < ratio < high and decide(low, high, "lower_is_better", 0.10) == "regression"
+    assert 1.1 < low < ratio < high and decide_change(low, high, "lower_is_better", 0.10) == "regression"
     ratio, low, high = ratio_ci_quantile(rng.lognormal(0, 0.3, 3000), base, 0.99)
     assert low < 1 < high
 
@@ -186,8 +187,8 @@ def test_itl_is_bootstrapped_per_request_not_per_token() -> None:
         c, b = _requests(r, 40, 64), _requests(r, 40, 64)
         _, lo_f, hi_f = ratio_ci_median(np.concatenate(c), [np.concatenate(b)], seed=seed, n_boot=500)
         _, lo_c, hi_c = ratio_ci_median(c, [b], seed=seed, n_boot=500)
-        flat_alarms += decide(lo_f, hi_f, "lower_is_better", 0.05) == "regression"
-        cluster_alarms += decide(lo_c, hi_c, "lower_is_better", 0.05) == "regression"
+        flat_alarms += decide_change(lo_f, hi_f, "lower_is_better", 0.05) == "regression"
+        cluster_alarms += decide_change(lo_c, hi_c, "lower_is_better", 0.05) == "regression"
     assert cluster_alarms <= 1 < flat_alarms, (flat_alarms, cluster_alarms)
     # A real 40 % slowdown is still found through the wider interval.
     slow = _requests(np.random.default_rng(9), 80, 64, scale=1.4)
@@ -221,7 +222,7 @@ def test_run_to_run_noise_is_estimated_from_baseline_runs_and_floored_by_calibra
 
 
 def test_banded_per_request_bootstrap_equals_the_full_computation() -> None:
-    from servegate.compare import _bootstrap_median_clustered
+    from servegate.bootstrap import _bootstrap_median_clustered
 
     rng = np.random.default_rng(3)
     runs = [_requests(rng, 300, 48, scale=s) for s in (1.0, 1.05, 0.97)]  # 43 200 values: banded
@@ -233,7 +234,7 @@ def test_banded_per_request_bootstrap_equals_the_full_computation() -> None:
 
 
 def test_itl_tail_interval_resamples_requests_once_the_tail_is_gated() -> None:
-    from servegate.compare import ratio_ci_quantile_clustered
+    from servegate.bootstrap import ratio_ci_quantile_clustered
 
     rng = np.random.default_rng(8)
     cur, base = _requests(rng, 200, 64), [_requests(rng, 200, 64)]
