@@ -6,14 +6,14 @@ bytes are handled in the socket callback by the protocol's ``TokenStream``
 (``WireProtocol.token_stream``): SSE events are split at the bytes level, SGLang chunks are
 not decoded (only their ``completion_tokens``; the last one in full), compact OpenAI token
 chunks neither, other OpenAI chunks with orjson; per chunk only an arrival time and a
-cumulative count are kept, and the latencies are computed once per request with numpy. Output tokens come from the
-server's counters (native ``meta_info.completion_tokens``, OpenAI ``usage``), never from
-tokenizing chunks. A load generator that burns CPU per chunk measures itself: see
+cumulative count are kept, and the latencies are computed once per request with numpy.
+Output tokens come from the server's counters (native ``meta_info.completion_tokens``, OpenAI
+``usage``), never from tokenizing chunks. A load generator that burns CPU per chunk measures itself: see
 ``benchmarks/loadgen_cost.py`` (issue 7).
 
 The counters are checked before they feed TPOT and throughput (``TokenStream.count_error``,
-by the rules in ``protocol``'s modules): a count above the request's output length (``max_new_tokens`` /
-``max_tokens``), a native count that disagrees with the ``output_ids`` streamed, or an OpenAI
+by the rules in ``protocol``'s modules): a count above the request's output length
+(``max_new_tokens`` / ``max_tokens``), a native count that disagrees with the ``output_ids`` streamed, or an OpenAI
 final ``usage`` that contradicts its per-chunk ``usage`` fails the request (``error_kind``
 ``protocol``), so the gate's "no failed requests" check sees it. A native stream's ids are
 read per chunk only until it shows it is not incremental (by its second chunk for SGLang's
@@ -183,9 +183,8 @@ async def _run_load(rows: list[DatasetRow], schedule: np.ndarray, base_url: str,
     records: list[dict[str, Any]] = [{} for _ in rows]
     async with StreamingClient(base_url, api_key) as client:
         # Whole HTTP requests, serialized before the clock starts.
-        requests_bytes = [client.request_bytes(wire.path, orjson.dumps(wire.body(r.prompt, r.output_len, model=model,
-                                                                                  stream=True)))
-                          for r in rows]
+        bodies = [wire.body(r.prompt, r.output_len, model=model, stream=True) for r in rows]
+        requests_bytes = [client.request_bytes(wire.path, orjson.dumps(b)) for b in bodies]
         with tqdm(total=len(rows), desc="serving", unit="req", file=sys.stderr,
                   disable=not cfg.progress) as pbar:
 
