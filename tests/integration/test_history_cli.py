@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from test_store import KEY, T0, run_inputs, synthetic_tables
 
+from servegate.cli import main
+from servegate.commands.history import add_arguments
 from servegate.compare import compare_run
-from servegate.history_cli import add_arguments, main
-from servegate.store import GateKey, Store
+from servegate.history import GateKey, Store
 
 OTHER = GateKey("nightly", "sglang", "h100", "meta-llama/Llama-3.1-8B-Instruct")
 
@@ -23,7 +24,7 @@ OTHER = GateKey("nightly", "sglang", "h100", "meta-llama/Llama-3.1-8B-Instruct")
 def _cli(db: Path, *args: str) -> subprocess.CompletedProcess:
     """The commands as a real process (what a release manager runs)."""
     env = {**os.environ, "SERVEGATE_DB": f"sqlite:///{db}", "SERVEGATE_ACTOR": "rm-carol"}
-    return subprocess.run([sys.executable, "-m", "servegate.history_cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "servegate", *args], capture_output=True, text=True,
                           timeout=120, env=env, check=False)
 
 

@@ -22,7 +22,8 @@ import sqlalchemy as sa
 from servegate.baseline import (BaselinePolicy, active_pin, mark_distribution_change, pin, resolve_baseline,
                                 unpin)
 from servegate.errors import ConfigError, InfraError
-from servegate.store import MIGRATIONS, SCHEMA_VERSION, GateKey, Store, default_url, parse_since
+from servegate.commands.history import parse_since
+from servegate.history import MIGRATIONS, SCHEMA_VERSION, GateKey, Store, default_url
 
 T0 = datetime(2026, 11, 1, 2, 0, tzinfo=timezone.utc)
 KEY = GateKey("smoke", "embedded", "cpu", "smollm2-135m")
@@ -222,9 +223,9 @@ def test_an_empty_file_is_not_a_history_to_read_but_the_gate_may_start_one(
                 read()
     assert path.stat().st_size == 0  # reading left the file as it was
     # The release manager's view: an error that says what is wrong, not "no gate runs recorded".
-    from servegate import history_cli
+    from servegate.cli import main
 
-    assert history_cli.main(["status", "--db", str(path)]) == 2
+    assert main(["status", "--db", str(path)]) == 2
     err = capsys.readouterr().err
     assert "not a servegate history database" in err and "no gate runs" not in err
     # The gate's recording path may start a history in an empty file.
@@ -261,12 +262,12 @@ def test_another_applications_sqlite_file_is_refused_for_reading_and_writing(tmp
 
 
 def test_a_locked_database_keeps_the_locking_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import servegate.store as store_mod
+    import servegate.history.database as database_mod
 
     path = tmp_path / "history.db"
     with Store(str(path)) as s:
         s.record_run(**run_inputs("first", started_at=T0))
-    monkeypatch.setattr(store_mod, "_SQLITE_BUSY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(database_mod, "_SQLITE_BUSY_TIMEOUT_S", 0.2)
     writer = sqlite3.connect(path, isolation_level=None)  # another writer, holding the write lock
     writer.execute("BEGIN IMMEDIATE")
     try:
@@ -292,9 +293,9 @@ def test_default_url_and_postgres_ddl(tmp_path: Path, monkeypatch: pytest.Monkey
     from sqlalchemy.dialects import postgresql
     from sqlalchemy.schema import CreateTable
 
-    from servegate import store as store_module
+    from servegate.history import schema
 
-    ddl = str(CreateTable(store_module.table_rows).compile(dialect=postgresql.dialect()))
+    ddl = str(CreateTable(schema.table_rows).compile(dialect=postgresql.dialect()))
     assert "data JSON NOT NULL" in ddl
     with pytest.raises(ConfigError, match="SQLAlchemy URL"):
         Store("nosuchdialect://x/y")
@@ -312,7 +313,7 @@ _KILLED_WRITER = textwrap.dedent("""
     import sys, time
     import pandas as pd
     import sqlalchemy as sa
-    from servegate.store import Store
+    from servegate.history import Store
 
     store = Store(sys.argv[1])
 
@@ -428,11 +429,11 @@ def test_pin_unpin_and_distribution_change_are_recorded_with_who_when_why(store:
 
 def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import servegate.store as store_mod
+    from servegate.history import schema
 
     path = tmp_path / "old.db"
-    monkeypatch.setattr(store_mod, "MIGRATIONS", store_mod.MIGRATIONS[:1])
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 1)
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 1)
     with Store(str(path)) as old:
         run_id = old.record_run(**run_inputs("old-run", started_at=datetime.now(timezone.utc)))
         assert old.schema_version() == 1

@@ -1,50 +1,20 @@
-"""``servegate calibrate``: the command line and the calibration plan.
+"""``servegate calibrate``: measure how far the gate's relative verdicts can be trusted.
 
-Kept apart from :mod:`servegate.calibrate` (numpy, pandas, scipy, the store) so that building
-the CLI parser, which every ``servegate`` command does (the worker included), stays cheap; the
-analysis is imported when the command runs.
+The plan's defaults come from :mod:`servegate.calibration_plan` (no numpy); the runs are the
+calibration flow, the analysis :mod:`servegate.calibrate`, both imported when the command runs.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, dataclass
+import argparse
 from pathlib import Path
 from typing import Any
 
+from servegate.calibration_plan import CalibrationPlan
+from servegate.commands.run import add_config_source, load_gate_config
 from servegate.errors import ConfigError
 
-__all__ = ["CalibrationPlan", "add_arguments", "cmd_calibrate"]
-
-
-@dataclass(frozen=True)
-class CalibrationPlan:
-    """How many gate runs calibration makes, and which figures it derives."""
-
-    aa_runs: int = 6
-    slowdowns_pct: tuple[float, ...] = (5.0, 10.0, 30.0)
-    runs_per_slowdown: int = 2
-    bounds: tuple[float, ...] = (0.02, 0.05)
-    baseline_n: int = 5
-    confidence: float = 0.95
-    n_boot: int = 2000
-
-    def __post_init__(self) -> None:
-        if self.aa_runs < 2:
-            raise ConfigError(f"calibration needs at least 2 A/A runs (--aa-runs), got {self.aa_runs}")
-        if any(not (math.isfinite(p) and p > 0) for p in self.slowdowns_pct):
-            raise ConfigError(f"slowdowns are percentages > 0 (e.g. --slowdowns 5,10,30), got {self.slowdowns_pct}")
-        if self.slowdowns_pct and self.runs_per_slowdown < 1:
-            raise ConfigError("--runs-per-slowdown must be >= 1 when slowdowns are given")
-        if not self.bounds or any(not 0 < b < 1 for b in self.bounds):
-            raise ConfigError(f"bounds are fractions in (0, 1) (e.g. --bounds 0.02,0.05), got {self.bounds}")
-        if self.baseline_n < 1:
-            raise ConfigError(f"--baseline-n must be >= 1, got {self.baseline_n}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+__all__ = ["add_arguments", "cmd_calibrate"]
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -55,18 +25,14 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 
 
 def add_arguments(subparsers: Any) -> None:
-    """Add ``calibrate`` to the main parser's subparsers; it sets ``func`` (args -> exit code)."""
+    """Add ``calibrate`` to the main parser's subparsers."""
     p = subparsers.add_parser(
         "calibrate", help="measure the gate's A/A false-alarm rate and smallest detectable regression",
         description="Run the gate repeatedly on an unchanged worker (A/A) and with injected decode slowdowns "
                     "(A/B), report per gated metric the false-alarm rate and the smallest regression detected "
                     ">= 95% of the time, and record them so that later verdicts of the gate key carry them. "
                     "Exit 0 when the figures were measured, 2 when they could not be.")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--profile", help="a shipped profile (see `servegate profiles`); default smoke")
-    src.add_argument("--config", help="a gate config file (.toml, .yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (repeatable), as for `servegate run`")
+    add_config_source(p, set_help="override a config field (repeatable), as for `servegate run`")
     p.add_argument("--aa-runs", type=int, default=CalibrationPlan.aa_runs, help="unchanged-worker runs (default 6)")
     p.add_argument("--slowdowns", default=",".join(f"{x:g}" for x in CalibrationPlan.slowdowns_pct),
                    help="injected decode slowdowns in %% (default 5,10,30; '' for A/A only)")
@@ -83,17 +49,14 @@ def add_arguments(subparsers: Any) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
-def cmd_calibrate(args: Any) -> int:
+def cmd_calibrate(args: argparse.Namespace) -> int:
     import pandas as pd
 
+    from servegate import jsonio
     from servegate.calibrate import format_calibration, run_config
-    from servegate.config import load_config
+    from servegate.verdict import ExitCode
 
-    overrides = list(args.overrides)
-    if args.db:
-        overrides.append(f"store.url={args.db}")
-    config = load_config(path=args.config, profile=None if args.config else (args.profile or "smoke"),
-                         overrides=overrides)
+    config = load_gate_config(args, [f"store.url={args.db}"] if args.db else [])
     plan = CalibrationPlan(aa_runs=args.aa_runs, slowdowns_pct=_floats(args.slowdowns, "--slowdowns"),
                            runs_per_slowdown=args.runs_per_slowdown, bounds=_floats(args.bounds, "--bounds"),
                            baseline_n=args.baseline_n or config.compare.n)
@@ -101,15 +64,15 @@ def cmd_calibrate(args: Any) -> int:
         run_config(config, pct, Path(config.output_dir))
 
     from servegate.flows.calibrate import calibrate_gate
-    from servegate.gate import call_flow
+    from servegate.runstate import call_flow
 
     doc = call_flow(calibrate_gate, config, plan=plan.as_dict(), output_dir=args.output_dir,
                     record=not args.no_record)
     if args.json:
-        print(json.dumps(doc, indent=2, default=str))
+        print(jsonio.dumps(doc, indent=True, ascii_only=True))
     else:
         print(f"calibration of {doc['key']}")
         print(format_calibration(pd.DataFrame(doc["figures"]), doc["summary"]))
         where = f"recorded as calibration {doc['calibration_id']}" if doc["calibration_id"] else "not recorded"
         print(f"folder: {doc['calibration_dir']} ({where})")
-    return 0
+    return ExitCode.PASS

@@ -10,25 +10,22 @@
 KEY is ``workload/engine/hardware/model`` (as ``status`` prints it). ``--db`` defaults to
 ``$SERVEGATE_DB`` or the SQLite file under ``$SERVEGATE_HOME`` / ``~/.local/share/servegate``.
 
-:func:`add_arguments` adds these subcommands to the main parser's subparsers; each sets
-``func`` (``args -> exit code``), and handlers raise ``ServegateError`` for the caller to
-print. ``python -m servegate.history_cli ...`` runs them alone.
+:func:`add_arguments` adds these commands to the main parser's subparsers; each sets ``func``
+(``args -> ExitCode``), and handlers raise ``ServegateError`` for ``servegate.cli.main`` to print.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+import math
 from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from servegate.errors import ConfigError, ServegateError
+from servegate.errors import ConfigError
 
-__all__ = ["add_arguments", "status_rows", "format_status", "main"]
-
-EXIT_OK, EXIT_ERROR = 0, 2
+__all__ = ["add_arguments", "status_rows", "format_status", "parse_since"]
 
 
 def _db_arg(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +73,7 @@ def add_arguments(subparsers: Any) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from servegate.store import Store
+    from servegate.history import Store
 
     return Store(args.db)
 
@@ -163,38 +160,59 @@ def format_status(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def parse_since(text: str) -> datetime:
+    """``7d``, ``12h``, ``30m`` (ago) or an ISO 8601 date/time (UTC when no zone is given)."""
+    from servegate.history.rows import aware_utc
+
+    text = text.strip()
+    units = {"d": "days", "h": "hours", "m": "minutes"}
+    if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
+        value = float(text[:-1])
+        if not math.isfinite(value):
+            raise ConfigError(f"--since {text!r}: give a finite duration like 7d, 12h, 30m")
+        return datetime.now(timezone.utc) - timedelta(**{units[text[-1]]: value})
+    try:
+        return aware_utc(datetime.fromisoformat(text.replace("Z", "+00:00")))
+    except ValueError as exc:
+        raise ConfigError(f"--since {text!r} is neither a duration (7d, 12h, 30m) nor an ISO date "
+                          f"(2026-11-30 or 2026-11-30T08:00)") from exc
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    from servegate.store import parse_since
+    from servegate import jsonio
+    from servegate.verdict import ExitCode
 
     since = parse_since(args.since) if args.since else None
     with _store(args) as store:
         rows = status_rows(store, args.key, since)
     if args.json:
-        print(json.dumps(rows, indent=2, default=str))
+        print(jsonio.dumps(rows, indent=True, ascii_only=True))
     else:
         print(format_status(rows))
-    return EXIT_OK
+    return ExitCode.PASS
 
 
 # ---- report -------------------------------------------------------------------------------
 def cmd_report(args: argparse.Namespace) -> int:
     from servegate.report import write_report
+    from servegate.verdict import ExitCode
 
     with _store(args) as store:
         path = write_report(store, args.run, args.out)
     print(f"report: {path}")
-    return EXIT_OK
+    return ExitCode.PASS
 
 
 # ---- baseline -----------------------------------------------------------------------------
 def _key(text: str) -> Any:
-    from servegate.store import GateKey
+    from servegate.history import GateKey
 
     return GateKey.parse(text)
 
 
 def cmd_baseline_show(args: argparse.Namespace) -> int:
     from servegate.baseline import active_pin, resolve_baseline
+    from servegate.verdict import ExitCode
 
     key = _key(args.key)
     with _store(args) as store:
@@ -210,49 +228,37 @@ def cmd_baseline_show(args: argparse.Namespace) -> int:
         for a in store.baseline_actions(key):
             target = f" {a['run_id']}" if a["run_id"] else ""
             print(f"  {a['at']:%Y-%m-%d %H:%M} UTC  {a['action']}{target}  by {a['actor']}: {a['reason']}")
-    return EXIT_OK
+    return ExitCode.PASS
 
 
 def cmd_baseline_pin(args: argparse.Namespace) -> int:
     from servegate.baseline import pin
+    from servegate.verdict import ExitCode
 
     with _store(args) as store:
         pin(store, args.run, reason=args.reason, actor=args.actor)
         print(f"pinned {args.run} as the baseline of {store.get_run(args.run).key}")
-    return EXIT_OK
+    return ExitCode.PASS
 
 
 def cmd_baseline_unpin(args: argparse.Namespace) -> int:
     from servegate.baseline import unpin
+    from servegate.verdict import ExitCode
 
     key = _key(args.key)
     with _store(args) as store:
         unpin(store, key, reason=args.reason, actor=args.actor)
     print(f"unpinned {key}: its baseline policy applies again")
-    return EXIT_OK
+    return ExitCode.PASS
 
 
 def cmd_baseline_change(args: argparse.Namespace) -> int:
     from servegate.baseline import mark_distribution_change
+    from servegate.verdict import ExitCode
 
     key = _key(args.key)
     with _store(args) as store:
         mark_distribution_change(store, key, reason=args.reason, actor=args.actor)
     print(f"marked a distribution change for {key}: later runs start a new baseline")
-    return EXIT_OK
+    return ExitCode.PASS
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the history commands alone (``python -m servegate.history_cli``)."""
-    parser = argparse.ArgumentParser(prog="servegate", description="servegate history commands")
-    add_arguments(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except ServegateError as exc:
-        print(f"servegate: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
