@@ -13,7 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["WorkerMetrics", "OccupancyWindow", "CONTENT_TYPE"]
+__all__ = ["WorkerMetrics", "OccupancyWindow", "ThroughputWindow", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,7 +29,7 @@ class OccupancyWindow:
 
     Like SGLang's device timer: the value is published when ``window_steps`` decode steps
     have completed and covers exactly that window; a window restarted by a prefill or by
-    the engine going idle starts over and the gauge reads NaN until it completes.
+    the scheduler going idle starts over and the gauge reads NaN until it completes.
     """
 
     def __init__(self, window_steps: int) -> None:
@@ -61,6 +61,44 @@ class OccupancyWindow:
         self._steps = 0
         return True
 
+
+class ThroughputWindow:
+    """Generated tokens per second over a window of decode steps (SGLang's ``gen_throughput``).
+
+    ``value`` keeps the last completed window's rate (0.0 before the first one); server info
+    reports it as ``last_gen_throughput``. A restart (prefill, idle) only begins a new window:
+    unlike occupancy, the last rate stays published.
+    """
+
+    def __init__(self, window_steps: int) -> None:
+        self.window_steps = window_steps
+        self._start: float | None = None
+        self._tokens = 0
+        self._steps = 0
+        self.value = 0.0
+
+    def restart(self) -> None:
+        """Begin a fresh window at the next decode step."""
+        self._start = None
+
+    def record_decode(self, step_start: float, tokens: int, step_end: float) -> bool:
+        """Count one decode step that produced ``tokens``; True when a window completed and ``value`` was updated."""
+        if self._start is None:
+            self._start = step_start
+            self._tokens = 0
+            self._steps = 0
+        self._tokens += tokens
+        self._steps += 1
+        if self._steps < self.window_steps:
+            return False
+        elapsed = step_end - self._start
+        updated = elapsed > 0
+        if updated:
+            self.value = self._tokens / elapsed
+        self._start = step_end
+        self._tokens = 0
+        self._steps = 0
+        return updated
 
 class WorkerMetrics:
     """The worker's metrics; when disabled every method is a cheap no-op."""

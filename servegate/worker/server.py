@@ -4,8 +4,8 @@ Native: ``POST /generate``, ``GET /health``, ``GET /health_generate``,
 ``GET /get_server_info`` (and ``/server_info``), ``GET|POST /flush_cache``, ``GET /metrics``.
 OpenAI: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
 
-The engine runs in its own thread; each HTTP request registers a callback that wakes
-its handler on the event loop (``call_soon_threadsafe``) whenever the engine produced
+The scheduler runs in its own thread; each HTTP request registers a callback that wakes
+its handler on the event loop (``call_soon_threadsafe``) whenever the scheduler produced
 tokens, so a streaming response sends whatever arrived since its last chunk.
 """
 
@@ -29,7 +29,9 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from servegate.errors import ConfigError, InfraError
-from servegate.worker.engine import Engine, Request, SamplingParams
+from servegate.worker.request import Request
+from servegate.worker.sampling import SamplingParams
+from servegate.worker.scheduler import STEP_ERROR_PREFIX, Scheduler
 from servegate.worker.faults import FaultConfig
 from servegate.worker.metrics import CONTENT_TYPE, WorkerMetrics
 
@@ -44,7 +46,7 @@ OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completion
 
 @dataclass
 class WorkerState:
-    """Everything the routes need; ``engine`` is None until the model has loaded."""
+    """Everything the routes need; ``scheduler`` is None until the model has loaded."""
 
     model_name: str
     server_args: dict[str, Any]
@@ -57,7 +59,7 @@ class WorkerState:
     kv_bytes_per_token: int
     version: str
     api_key: str | None = None
-    engine: Engine | None = None
+    scheduler: Scheduler | None = None
     tokenizer: Any = None
     ready: threading.Event = field(default_factory=threading.Event)
     error_rng: random.Random = field(default_factory=random.Random)
@@ -77,7 +79,7 @@ def _sse(obj: Any) -> bytes:
 
 
 class _Waiter:
-    """Wakes an async handler from the engine thread."""
+    """Wakes an async handler from the scheduler thread."""
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -118,8 +120,8 @@ def build_app(state: WorkerState) -> FastAPI:
                 return _json({"error": "Unauthorized"}, 401)
             return await call_next(request)
 
-    def engine_or_none() -> Engine | None:
-        return state.engine if state.ready.is_set() else None
+    def scheduler_or_none() -> Scheduler | None:
+        return state.scheduler if state.ready.is_set() else None
 
     def not_ready() -> Response:
         return _error("the worker is starting (model loading); retry when GET /health answers 200", 503)
@@ -155,7 +157,7 @@ def build_app(state: WorkerState) -> FastAPI:
             "cached_tokens": req.cached_tokens,
             "e2e_latency": req.e2e_latency(),
         }
-        if req.spec_verify_ct is not None or (state.engine is not None and state.engine.speculative):
+        if req.spec_verify_ct is not None or (state.scheduler is not None and state.scheduler.speculative):
             meta["spec_verify_ct"] = req.spec_verify_ct or 0
         if req.return_logprob:
             def triples(items: list[tuple[Any, int]]) -> list[list[Any]]:
@@ -169,7 +171,7 @@ def build_app(state: WorkerState) -> FastAPI:
         return meta
 
     def result_of(req: Request, index: int | None) -> dict[str, Any]:
-        # One snapshot: the engine thread appends to output_ids while this chunk is built, and a
+        # One snapshot: the scheduler thread appends to output_ids while this chunk is built, and a
         # chunk whose text, ids and completion_tokens disagree reads as a lying server.
         ids = list(req.output_ids)
         out: dict[str, Any] = {"text": text_of(req, ids), "output_ids": ids, "meta_info": meta_of(req, ids)}
@@ -179,27 +181,27 @@ def build_app(state: WorkerState) -> FastAPI:
 
     def failed(req: Request) -> str | None:
         reason = req.finish_reason or {}
-        if reason.get("type") == "abort" and str(reason.get("message", "")).startswith("engine error"):
+        if reason.get("type") == "abort" and str(reason.get("message", "")).startswith(STEP_ERROR_PREFIX):
             return str(reason["message"])
         return None
 
-    def submit_all(engine: Engine, reqs: list[Request], waiter: _Waiter) -> None:
+    def submit_all(scheduler: Scheduler, reqs: list[Request], waiter: _Waiter) -> None:
         for req in reqs:
-            engine.check_admissible(req.input_ids, req.params)
+            scheduler.check_admissible(req.input_ids, req.params)
         for req in reqs:
             req.notify = waiter.notify
-            engine.submit(req)
+            scheduler.submit(req)
 
-    async def wait_all(engine: Engine, reqs: list[Request], waiter: _Waiter, http: HttpRequest | None) -> None:
+    async def wait_all(scheduler: Scheduler, reqs: list[Request], waiter: _Waiter, http: HttpRequest | None) -> None:
         try:
             while not all(r.finished for r in reqs):
                 await waiter.wait()
         except asyncio.CancelledError:
             for r in reqs:
-                engine.abort(r)
+                scheduler.abort(r)
             raise
 
-    async def stream_chunks(engine: Engine, reqs: list[Request], waiter: _Waiter,
+    async def stream_chunks(scheduler: Scheduler, reqs: list[Request], waiter: _Waiter,
                             render: Any, done_line: bool = True) -> AsyncIterator[bytes]:
         """Yield rendered chunks as tokens arrive; ``render(req, index, sent_tokens)`` -> bytes | None."""
         sent = [0] * len(reqs)
@@ -220,7 +222,7 @@ def build_app(state: WorkerState) -> FastAPI:
                             yield chunk
                     if cut_after is not None and sum(sent) >= cut_after:
                         for r in reqs:
-                            engine.abort(r)
+                            scheduler.abort(r)
                         raise InfraError(f"fault injection: stream cut after {sum(sent)} tokens "
                                          f"(--fault-cut-stream-after-tokens {cut_after})")
                 if all(closed):
@@ -231,7 +233,7 @@ def build_app(state: WorkerState) -> FastAPI:
         finally:
             for r in reqs:
                 if not r.finished:
-                    engine.abort(r)
+                    scheduler.abort(r)
 
     # ------------------------------------------------------------------ native routes
     @app.get("/health")
@@ -242,17 +244,17 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        engine = engine_or_none()
-        if engine is None:
+        scheduler = scheduler_or_none()
+        if scheduler is None:
             return not_ready()
         ids = state.tokenizer.encode("Hi") or [0]
         req = Request(list(ids), SamplingParams(max_new_tokens=1, temperature=0.0), user_request=False)
         waiter = _Waiter()
         try:
-            submit_all(engine, [req], waiter)
-            await asyncio.wait_for(wait_all(engine, [req], waiter, None), HEALTH_GENERATE_TIMEOUT_S)
+            submit_all(scheduler, [req], waiter)
+            await asyncio.wait_for(wait_all(scheduler, [req], waiter, None), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, ConfigError) as exc:
-            engine.abort(req)
+            scheduler.abort(req)
             return _error(f"health generate did not finish: {exc!r}", 503)
         if failed(req):
             return _error(f"health generate failed: {failed(req)}", 503)
@@ -294,8 +296,8 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(http: HttpRequest) -> Response:
-        engine = engine_or_none()
-        if engine is None:
+        scheduler = scheduler_or_none()
+        if scheduler is None:
             return not_ready()
         try:
             body = await json_object(http)
@@ -303,7 +305,7 @@ def build_app(state: WorkerState) -> FastAPI:
             if (fault := injected_error()) is not None:
                 return fault
             waiter = _Waiter()
-            submit_all(engine, reqs, waiter)
+            submit_all(scheduler, reqs, waiter)
         except orjson.JSONDecodeError as exc:
             return _error(f"the request body is not valid JSON: {exc}", 400)
         except ConfigError as exc:
@@ -313,9 +315,9 @@ def build_app(state: WorkerState) -> FastAPI:
             def render(req: Request, index: int, _sent: int) -> bytes:
                 return _sse(result_of(req, index if batched else None))
 
-            return StreamingResponse(stream_chunks(engine, reqs, waiter, render), media_type="text/event-stream")
+            return StreamingResponse(stream_chunks(scheduler, reqs, waiter, render), media_type="text/event-stream")
 
-        await wait_all(engine, reqs, waiter, http)
+        await wait_all(scheduler, reqs, waiter, http)
         errors = [m for m in (failed(r) for r in reqs) if m]
         if errors:
             return _error(errors[0], 500)
@@ -323,7 +325,7 @@ def build_app(state: WorkerState) -> FastAPI:
         return _json(results if batched else results[0])
 
     def server_info() -> dict[str, Any]:
-        engine = state.engine
+        scheduler = state.scheduler
         internal: dict[str, Any] = {
             "memory_usage": {
                 "weight": round(state.weight_bytes / 2**30, 4),
@@ -331,13 +333,13 @@ def build_app(state: WorkerState) -> FastAPI:
                 "token_capacity": state.token_capacity,
             },
             "effective_max_running_requests_per_dp": state.max_running_requests,
-            "last_gen_throughput": engine.last_gen_throughput if engine else 0.0,
+            "last_gen_throughput": scheduler.last_gen_throughput if scheduler else 0.0,
         }
-        if engine is not None and engine.speculative:
-            value = engine.avg_spec_accept_length
+        if scheduler is not None and scheduler.speculative:
+            value = scheduler.avg_spec_accept_length
             internal["avg_spec_accept_length"] = None if math.isnan(value) else value
-        if engine is not None:
-            internal.update(engine.load())
+        if scheduler is not None:
+            internal.update(scheduler.load())
         return {
             **state.server_args,
             "max_total_num_tokens": state.token_capacity,
@@ -357,8 +359,8 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(http: HttpRequest) -> Response:
-        engine = engine_or_none()
-        if engine is None:
+        scheduler = scheduler_or_none()
+        if scheduler is None:
             return not_ready()
         raw = http.query_params.get("timeout", "0")
         try:
@@ -372,7 +374,7 @@ def build_app(state: WorkerState) -> FastAPI:
         deadline = arrived + timeout
         while True:
             t = time.monotonic()
-            if t >= busy_until and engine.flush_cache():
+            if t >= busy_until and scheduler.flush_cache():
                 return PlainTextResponse("Cache flushed.\n", status_code=200)
             if t >= deadline:
                 return PlainTextResponse(
@@ -436,8 +438,8 @@ def build_app(state: WorkerState) -> FastAPI:
                 "text_offset": offsets}
 
     async def openai_run(http: HttpRequest, chat: bool) -> Response:
-        engine = engine_or_none()
-        if engine is None:
+        scheduler = scheduler_or_none()
+        if scheduler is None:
             return not_ready()
         try:
             body = await json_object(http)
@@ -470,7 +472,7 @@ def build_app(state: WorkerState) -> FastAPI:
                             logprob_start_len=0 if echo and n_logprobs is not None else -1,
                             top_logprobs_num=n_logprobs or 0) for p in prompts]
             waiter = _Waiter()
-            submit_all(engine, reqs, waiter)
+            submit_all(scheduler, reqs, waiter)
         except orjson.JSONDecodeError as exc:
             return _error(f"the request body is not valid JSON: {exc}", 400)
         except ConfigError as exc:
@@ -503,9 +505,9 @@ def build_app(state: WorkerState) -> FastAPI:
                                  "model": model, "choices": [], "usage": usage_of(reqs)})
                 return out
 
-            return StreamingResponse(stream_chunks(engine, reqs, waiter, render), media_type="text/event-stream")
+            return StreamingResponse(stream_chunks(scheduler, reqs, waiter, render), media_type="text/event-stream")
 
-        await wait_all(engine, reqs, waiter, http)
+        await wait_all(scheduler, reqs, waiter, http)
         errors = [m for m in (failed(r) for r in reqs) if m]
         if errors:
             return _error(errors[0], 500)
@@ -531,7 +533,7 @@ def build_app(state: WorkerState) -> FastAPI:
     return app
 
 
-def install_crash_fault(engine: Engine, after: int) -> None:
+def install_crash_fault(scheduler: Scheduler, after: int) -> None:
     """``os._exit(1)`` shortly after the N-th completed user request (its answer gets out first)."""
     def on_done(count: int) -> None:
         if count >= after:
@@ -540,4 +542,4 @@ def install_crash_fault(engine: Engine, after: int) -> None:
             timer.daemon = True
             timer.start()
 
-    engine.on_user_request_done = on_done
+    scheduler.on_user_request_done = on_done
