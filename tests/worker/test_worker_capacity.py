@@ -19,7 +19,7 @@ def small(start_worker) -> WorkerProcess:
                          "--fault-decode-delay-ms", "20"], model_args=["--model", "tiny-random", "--dtype", "float32", "--num-threads", "1"])
 
 
-def test_request_longer_than_context_gets_400_and_engine_survives(small: WorkerProcess) -> None:
+def test_request_longer_than_context_gets_400_and_scheduler_survives(small: WorkerProcess) -> None:
     resp = generate(small.url, {"input_ids": list(range(10, 110)), "sampling_params": {"max_new_tokens": 150}})
     assert resp.status_code == 400
     message = resp.json()["error"]["message"]

@@ -243,7 +243,7 @@ def test_bad_requests_answer_400(url: str, body: dict, fragment: str) -> None:
     resp = generate(url, body)
     assert resp.status_code == 400
     assert fragment in resp.json()["error"]["message"]
-    assert requests.get(url + "/health_generate", timeout=60).status_code == 200  # the engine lives on
+    assert requests.get(url + "/health_generate", timeout=60).status_code == 200  # the scheduler lives on
 
 
 def test_metrics_count_real_traffic(url: str) -> None:
