@@ -2,6 +2,8 @@
 
     servegate rerun RUN --task serving [--task occupancy] [--set section.field=value ...] [--db URL] [--json]
 
+(the command itself is :mod:`servegate.commands.rerun`; this module plans and opens the attempt)
+
 RUN is a run folder or a run id recorded in the history database. The attempt:
 
 * relaunches the worker from the run's recorded config (``config.json``) with the ``--set``
@@ -26,7 +28,6 @@ re-run too; the plan says which before anything is launched.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,7 @@ from servegate.errors import ConfigError
 from servegate.gate import GateRun, StageOutcome, call_flow, hold_device_slot
 from servegate.results import REDACTED, RunFolder
 
-__all__ = ["RERUN_FILE", "ATTEMPTS_DIR", "RerunPlan", "resolve_run_dir", "plan_rerun", "open_attempt",
-           "add_arguments", "cmd_rerun"]
+__all__ = ["RERUN_FILE", "ATTEMPTS_DIR", "RerunPlan", "resolve_run_dir", "plan_rerun", "open_attempt"]
 
 RERUN_FILE = "rerun"
 """``rerun.json`` in an attempt folder: what was re-run, from which folder, with which overrides."""
@@ -218,42 +218,3 @@ def open_attempt(plan: RerunPlan) -> GateRun:
     run.device_slot = held
     run.attempt_of = plan.attempt_of
     return run
-
-
-# ---- command line -------------------------------------------------------------------------
-def add_arguments(subparsers: Any) -> None:
-    """Add ``rerun`` to the main parser's subparsers; it sets ``func`` (args -> exit code)."""
-    rerun = subparsers.add_parser(
-        "rerun", help="re-run measurement stage(s) of a gate run and record a new verdict as a new attempt",
-        description="Relaunch the worker from RUN's recorded config, re-measure only the named stage(s), "
-                    "re-validate the whole run and record the verdict as a new attempt (the original is kept). "
-                    "Exit 0 pass, 1 regression, 2 could not decide.")
-    rerun.add_argument("run", metavar="RUN", help="a run folder, or a run id recorded in the history database")
-    rerun.add_argument("--task", dest="stages", action="append", default=[], metavar="STAGE", required=True,
-                       help="stage to re-measure: one_batch, serving, occupancy (quality when the gate has it); "
-                            "repeatable")
-    rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override the recorded config for this attempt, e.g. --set worker.extra_args=[] "
-                            "(not gate-key fields, not carried stages' sections)")
-    rerun.add_argument("--db", metavar="URL", help="history database to look RUN up in (default $SERVEGATE_DB)")
-    rerun.add_argument("--json", action="store_true", help="print the verdict as JSON instead of a table")
-    rerun.set_defaults(func=cmd_rerun)
-
-
-def cmd_rerun(args: argparse.Namespace) -> int:
-    from servegate.flows.rerun import rerun_stages
-    from servegate.verdict import Verdict, format_verdict_table
-
-    run_dir = resolve_run_dir(args.run, args.db)
-    overrides = list(args.overrides)
-    if args.db:
-        overrides.append(f"store.url={args.db}")
-    result = call_flow(rerun_stages, str(run_dir), list(args.stages), overrides)
-    verdict = Verdict.model_validate(result["verdict"])
-    if args.json:
-        print(json.dumps({**result["verdict"], **{k: v for k, v in result.items() if k != "verdict"}}, indent=2))
-    else:
-        print(format_verdict_table(verdict))
-        print(f"attempt {result['run_id'] or '(not recorded)'} of {result['attempt_of']}; "
-              f"folder: {result['run_dir']}")
-    return verdict.exit_code
