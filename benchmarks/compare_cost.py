@@ -19,7 +19,9 @@ import time
 import numpy as np
 import pandas as pd
 
-from servegate.compare import GATED_METRICS, compare_tables, extract_requests, ratio_ci_median
+from servegate.bootstrap import ratio_ci_median
+from servegate.compare import compare_tables
+from servegate.gated_metrics import GATED_METRICS, extract_requests
 
 
 def _serving(rng: np.random.Generator, n: int, tokens: int) -> pd.DataFrame:

@@ -7,9 +7,7 @@ include everything a nightly run varies by: a fresh worker, its warm-up, the mac
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -18,11 +16,12 @@ from prefect import flow
 
 from servegate.calibrate import (COMPARED_TABLES, CalibrationPlan, CalibrationRun, analyse, figures_records,
                                  format_calibration, measurement_seconds, run_config, schedule, summarise)
+from servegate import jsonio
 from servegate.config import GateConfig
 from servegate.flows.gate import regression_gate
-from servegate.gate import resolve_config
+from servegate.runstate import resolve_config
 from servegate.results import RunFolder
-from servegate.store import GateKey, Store
+from servegate.history import GateKey, Store
 from servegate.tasks._artifacts import publish
 
 logger = logging.getLogger("servegate.flows.calibrate")
@@ -65,7 +64,7 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
         result = regression_gate(config=run_config(config, pct, out / "runs"))
         run = _load_run(index, pct, result)
         runs.append(run)
-        (out / "runs.json").write_text(json.dumps([r.record() for r in runs], indent=2))
+        (out / "runs.json").write_text(jsonio.dumps([r.record() for r in runs], indent=True))
     figures, comparisons, _ = analyse(runs, the_plan, tail_bound=config.compare.tail_bound)
     summary = summarise(runs, figures, comparisons, the_plan, tail_bound=config.compare.tail_bound)
     figures.to_csv(out / "calibration.csv", index=False)
@@ -77,8 +76,7 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
             calibration_id = store.record_calibration(key, plan=the_plan.as_dict(), summary=summary, metrics=records)
     doc = {"key": str(key), "calibration_dir": str(out), "calibration_id": calibration_id, "plan": the_plan.as_dict(),
            "summary": summary, "figures": records}
-    (out / "calibration.json").write_text(json.dumps(doc, indent=2, default=lambda v: None if isinstance(v, float)
-                                                     and not math.isfinite(v) else str(v)))
+    (out / "calibration.json").write_text(jsonio.dumps(doc, indent=True))
     publish(config.name, "calibration", f"# calibration of {key}\n\n```\n{format_calibration(figures, summary)}\n```",
             description=f"servegate calibration of {key}")
     return doc

@@ -1,27 +1,60 @@
-"""The regression gate: launch -> warmup -> (flush -> measure)* -> validate -> verdict.
+"""The regression gate: launch -> warmup -> (flush -> measure)* -> compare -> validate -> verdict -> record.
 
-Deployment entrypoint: ``flows/gate.py:regression_gate``.
+Deployment entrypoint: ``flows/gate.py:regression_gate``. ``measure_and_decide`` is the body the
+gate and the re-run flow share: each task returns its stage's result and the flow passes the
+results on, so Prefect's graph shows the real data flow.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prefect import flow
 
 from servegate.config import GateConfig
-from servegate.gate import GateRun, resolve_config
+from servegate.runstate import GateRun, resolve_config
+from servegate.stages import MEASUREMENT_STAGES, STAGES, StageResult
+from servegate.tasks._stage import outcome
 from servegate.tasks.compare import compare
 from servegate.tasks.flush import flush
 from servegate.tasks.launch import launch
 from servegate.tasks.occupancy import occupancy
 from servegate.tasks.one_batch import one_batch
 from servegate.tasks.quality import quality
-from servegate.tasks.record import record
+from servegate.tasks.record import Recorded, record
 from servegate.tasks.serving import serving
 from servegate.tasks.validate import validate
 from servegate.tasks.verdict import verdict
 from servegate.tasks.warmup import warmup
+
+MEASURE_TASKS = {t.name: t for t in (one_batch, serving, occupancy, quality)}
+if set(MEASURE_TASKS) != set(MEASUREMENT_STAGES) or {"launch", "warmup"} | set(MEASURE_TASKS) != set(STAGES):
+    raise ImportError(f"servegate.stages declares {list(STAGES)} but the flow has tasks for "
+                      f"{['launch', 'warmup', *MEASURE_TASKS]}")
+
+
+def measure_and_decide(run: GateRun, stages: Sequence[str] = MEASUREMENT_STAGES,
+                       carried: Sequence[StageResult] = ()) -> Recorded:
+    """Measure ``stages`` (gate order) on a fresh worker, take ``carried`` results as they are, then
+    compare, validate, decide and record. Stage failures are in their results (inconclusive, never
+    pass); an interrupt propagates after the worker's tree is ended."""
+    results = list(carried)
+    try:
+        launched = outcome(launch(run, return_state=True))
+        warmed = outcome(warmup(run, launched, return_state=True))
+        results += [launched, warmed]
+        for name in (s for s in MEASUREMENT_STAGES if s in stages):
+            flushed = outcome(flush(run, name, warmed, return_state=True))
+            if flushed.status != "skipped":
+                results.append(flushed)
+            results.append(outcome(MEASURE_TASKS[name](run, flushed, return_state=True)))
+    finally:
+        teardown_errors = run.close()
+    results.append(outcome(compare(run, results, return_state=True)))
+    validation = outcome(validate(run, results, return_state=True))
+    decided = verdict(run, results, validation, teardown_errors)
+    return record(run, results, validation, decided)
 
 
 @flow(name="regression-gate", log_prints=False, validate_parameters=True)
@@ -31,21 +64,7 @@ def regression_gate(config: GateConfig | None = None, profile: str | None = None
 
     Give a full ``config``, or a shipped ``profile`` name plus ``section.field=value``
     ``overrides`` (what deployments use: ``profile: smoke``).
-
-    Stage tasks record their own failures in the GateRun (and in the run folder) before
-    failing, so the flow goes on to tear the worker down, validate what was measured and
-    decide: an infra failure makes the verdict inconclusive, never a pass.
     """
     run = GateRun.open(resolve_config(config, profile, overrides))
-    try:
-        launch(run, return_state=True)
-        warmup(run, return_state=True)
-        for measure in (one_batch, serving, occupancy, quality):
-            flush(run, measure.name, return_state=True)
-            measure(run, return_state=True)
-    finally:
-        run.close()
-    compare(run, return_state=True)
-    validate(run, return_state=True)
-    recorded = record(run, verdict(run))
+    recorded = measure_and_decide(run)
     return {"verdict": recorded.verdict.model_dump(mode="json"), "run_dir": str(run.path)}

@@ -26,8 +26,8 @@ from prefect.exceptions import MissingResult
 from pydantic import BaseModel, ConfigDict, Field
 
 from servegate.tasks._artifacts import publish
+from servegate.verdict import ExitCode
 
-EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 2}
 
 
 class GateJob(BaseModel):
@@ -61,7 +61,7 @@ def gate_outcome(deployment: str, flow_run: FlowRun) -> dict[str, Any]:
                          f"with shared result storage when workers run on several machines")
         return row
     verdict = result.get("verdict") if isinstance(result, dict) else None
-    if not isinstance(verdict, dict) or verdict.get("status") not in EXIT_CODES:
+    if not isinstance(verdict, dict) or verdict.get("status") not in ("pass", "fail", "inconclusive"):
         row["reason"] = f"gate run {flow_run.name} returned no verdict ({type(result).__name__})"
         return row
     row.update(status=verdict["status"], reason=verdict.get("reason"), run_dir=result.get("run_dir"))
@@ -79,7 +79,7 @@ def aggregate(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         status, reason = "inconclusive", f"{statuses.count('inconclusive')} of {len(statuses)} gate(s) could not decide"
     else:
         status, reason = "pass", f"all {len(statuses)} gate(s) passed"
-    return {"status": status, "exit_code": EXIT_CODES[status], "reason": reason, "gates": outcomes}
+    return {"status": status, "exit_code": int(ExitCode.of(status)), "reason": reason, "gates": outcomes}
 
 
 def _markdown(result: dict[str, Any]) -> str:

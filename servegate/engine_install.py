@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -255,15 +254,3 @@ def install_engine(name: str, venv_dir: Path | None = None, *, force: bool = Fal
     logger.info("engine %s installed in %.0f s: %s", name, marker["install_seconds"], marker["versions"])
     return python
 
-
-# Transitional: the command line moved to servegate.commands.engine; tests/slow/test_vllm_cpu.py
-# still reaches it here (``add_arguments``, ``_cmd_install``). Resolved on use: no import cycle.
-_MOVED = {"add_arguments": "add_arguments", "_cmd_install": "cmd_install", "_cmd_path": "cmd_path"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from servegate.commands import engine
-
-    return getattr(engine, _MOVED[name])

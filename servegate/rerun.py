@@ -28,17 +28,18 @@ re-run too; the plan says which before anything is launched.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from servegate import jsonio
 from servegate.config import GateConfig, apply_overrides
 from servegate.errors import ConfigError
-from servegate.gate import GateRun, StageOutcome, call_flow, hold_device_slot
-from servegate.results import REDACTED, RunFolder
+from servegate.results import REDACTED, RunFolder, StageRecord
+from servegate.runstate import GateRun
+from servegate.stages import MEASUREMENT_STAGES
 
 __all__ = ["RERUN_FILE", "ATTEMPTS_DIR", "RerunPlan", "resolve_run_dir", "plan_rerun", "open_attempt"]
 
@@ -46,7 +47,6 @@ RERUN_FILE = "rerun"
 """``rerun.json`` in an attempt folder: what was re-run, from which folder, with which overrides."""
 ATTEMPTS_DIR = "attempts"
 
-_NOT_MEASUREMENTS = frozenset({"launch", "warmup", "compare", "validate", "verdict", "record", "teardown"})
 _GATE_KEY_FIELDS = ("name", "hardware", "worker.engine", "worker.model")
 _CARRIED_STATUSES = ("ok", "not_applicable")
 
@@ -60,7 +60,7 @@ class RerunPlan:
     attempt_of: str  # run id the attempt is recorded against (the store resolves it to the root run)
     config: GateConfig  # the attempt's config: the recorded one with the overrides laid over it
     stages: list[str]  # stages to re-measure, in gate order
-    carried: dict[str, StageOutcome] = field(default_factory=dict)  # stage -> outcome taken from source
+    carried: dict[str, StageRecord] = field(default_factory=dict)  # stage -> its record in source
     overrides: list[str] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def resolve_run_dir(run: str, db: str | None = None) -> Path:
     if "/" in run:  # run ids never contain a slash (attempt ids do contain dots: <root>.attempt-2)
         raise ConfigError(f"{run} is not a folder; pass a run folder (printed by `servegate run`) or a run id "
                           f"from `servegate status --json`")
-    from servegate.store import Store
+    from servegate.history import Store
 
     with Store(db) as store:
         record = store.get_run(run)
@@ -88,18 +88,16 @@ def resolve_run_dir(run: str, db: str | None = None) -> Path:
     return Path(record.run_dir)
 
 
-def _recorded_stages(folder: RunFolder) -> dict[str, StageOutcome]:
+def _recorded_stages(folder: RunFolder) -> dict[str, StageRecord]:
     try:
         raw = folder.read_json("stages")
     except FileNotFoundError:  # older folders: the manifest's stage records say the same
         raw = {s.stage: s.model_dump(mode="json") for s in folder.manifest.stages}
-    return {name: StageOutcome(stage=name, status=d["status"], duration_s=float(d.get("duration_s") or 0.0),
-                               error=d.get("error"), tables=list(d.get("tables") or []))
-            for name, d in raw.items()}
+    return {name: StageRecord.model_validate({**d, "stage": name}) for name, d in raw.items()}
 
 
 def _is_measurement(stage: str) -> bool:
-    return stage not in _NOT_MEASUREMENTS and not stage.startswith("flush:")
+    return stage in MEASUREMENT_STAGES
 
 
 def _check_overrides(overrides: list[str], carried: list[str]) -> None:
@@ -117,7 +115,7 @@ def _check_overrides(overrides: list[str], carried: list[str]) -> None:
 
 def _attempt_config(folder: RunFolder, overrides: list[str]) -> GateConfig:
     try:
-        data = json.loads((folder.path / "config.json").read_text(encoding="utf-8"))
+        data = jsonio.loads((folder.path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(f"{folder.path} has no config.json; it was not written by a gate run") from exc
     data = apply_overrides(data, list(overrides))
@@ -164,7 +162,7 @@ def plan_rerun(run_dir: str | Path, stages: list[str], overrides: list[str] | No
     if disabled:
         raise ConfigError(f"{disabled} disabled in the run's config; enable with "
                           + " ".join(f"--set {s}.enabled=true" for s in disabled))
-    carried: dict[str, StageOutcome] = {}
+    carried: dict[str, StageRecord] = {}
     must_rerun: dict[str, str] = {}
     for name in carried_names:
         outcome = recorded[name]
@@ -187,7 +185,7 @@ def plan_rerun(run_dir: str | Path, stages: list[str], overrides: list[str] | No
     root_dir = Path(rerun_doc["root_dir"]) if rerun_doc else source.path
     attempt_of = source.manifest.run_id
     if config.store.enabled:
-        from servegate.store import Store
+        from servegate.history import Store
 
         with Store(config.store.url) as store:
             try:
@@ -203,18 +201,7 @@ def plan_rerun(run_dir: str | Path, stages: list[str], overrides: list[str] | No
 def open_attempt(plan: RerunPlan) -> GateRun:
     """The attempt's GateRun: a new folder under ``<root>/attempts/``, its config and ``rerun.json``.
 
-    Holds the device slot like :meth:`GateRun.open` (released by ``close()``). The carried stages
-    are added by the flow (``servegate.tasks.rerun.carry``) so that they show as tasks.
+    The carried stages are added by the flow (``servegate.tasks.rerun.carry``) so that they show as tasks.
     """
-    held = hold_device_slot()
-    try:
-        folder = RunFolder.create(plan.root_dir / ATTEMPTS_DIR, plan.config.name)
-        folder.write_config(plan.config)
-        folder.write_json(RERUN_FILE, plan.describe())
-        run = GateRun(plan.config, folder)
-    except BaseException:
-        held.close()
-        raise
-    run.device_slot = held
-    run.attempt_of = plan.attempt_of
-    return run
+    return GateRun.open(plan.config, parent=plan.root_dir / ATTEMPTS_DIR, attempt_of=plan.attempt_of,
+                        documents={RERUN_FILE: plan.describe()})

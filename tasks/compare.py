@@ -1,34 +1,40 @@
-"""compare: the run's raw samples against its gate key's baseline (bootstrap CI on ratios)."""
+"""compare: the run's raw samples against the gate key's baseline (history), a table GX validates."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
-from servegate.baseline import BaselinePolicy
-from servegate.compare import compare_run
-from servegate.gate import GateRun
-from servegate.store import GateKey, Store
+from servegate.runstate import GateRun
+from servegate.stages import StageResult
 from servegate.tasks._artifacts import publish, table_markdown
+from servegate.tasks._stage import as_state
 
 STAGE = "compare"
 
 
 @task(name="compare", cache_policy=NO_CACHE)
-def compare(run: GateRun) -> int:
-    """Build the comparison table (validated by GX like every table); returns its row count."""
+def compare(run: GateRun, measured: list[StageResult]) -> StageResult | State:
+    """The ``comparison`` table; the key's calibration summary rides in ``notes["calibration"]``."""
     cfg = run.config.compare
     if not cfg.enabled:
-        run.skip(STAGE, "disabled in config (compare.enabled = false)")
-        return 0
-    with run.stage(STAGE) as outcome:
+        return run.skipped(STAGE, "skipped", "disabled in config (compare.enabled = false)")
+    from servegate.baseline import BaselinePolicy
+    from servegate.compare import compare_run
+    from servegate.history import GateKey, Store
+
+    tables = {name: df for r in measured if r.ok for name, df in r.tables.items()}
+    with run.stage(STAGE) as result:
         policy = BaselinePolicy(kind=cfg.policy, n=cfg.n, branch=cfg.branch, days=cfg.days)
         key = GateKey.from_run(run.folder.manifest.model_dump(mode="json"), run.config_snapshot())
         with Store(run.config.store.url) as store:
-            table = compare_run(store, run.tables, key, policy=policy, bound=cfg.bound, tail_bound=cfg.tail_bound,
+            table = compare_run(store, tables, key, policy=policy, bound=cfg.bound, tail_bound=cfg.tail_bound,
                                 exclude_run=run.attempt_of)
-        run.calibration = table.attrs.get("calibration")
-        run.save_table("comparison", table, outcome)
-    shown = table[["metric", "case", "ratio", "ci_low", "ci_high", "decision", "min_detectable"]]
-    publish(run.config.name, STAGE, "# comparison with baseline\n\n" + table_markdown(shown))
-    return len(table)
+        result.notes["calibration"] = table.attrs.pop("calibration", None)
+        result.tables["comparison"] = table
+    if result.ok:
+        shown = result.tables["comparison"][["metric", "case", "ratio", "ci_low", "ci_high", "decision",
+                                             "min_detectable"]]
+        publish(run.config.name, STAGE, "# comparison with baseline\n\n" + table_markdown(shown))
+    return as_state(result)

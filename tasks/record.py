@@ -9,9 +9,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from servegate.errors import ServegateError
-from servegate.gate import GateRun
+from servegate.runstate import GateRun
+from servegate.stages import StageResult
 from servegate.report import write_junit, write_markdown_summary, write_report
-from servegate.store import GateKey, Store
+from servegate.history import GateKey, Store
 from servegate.tasks._artifacts import publish
 from servegate.verdict import Verdict
 
@@ -37,14 +38,15 @@ def _not_recorded(verdict: Verdict, error: str) -> Verdict:
 
 
 @task(name="record", cache_policy=NO_CACHE)
-def record(run: GateRun, verdict: Verdict) -> Recorded:
+def record(run: GateRun, results: list[StageResult], validation: StageResult, verdict: Verdict) -> Recorded:
     """Store the run, then write report, JUnit and summary for the verdict as recorded.
 
     A failed history write does not lose the run folder's files: JUnit, summary and verdict are
     still written (the verdict turned inconclusive, with the error), and the error is returned,
     not raised, so the caller's exit code says it.
     """
-    outcomes = [o.model_dump(mode="json") for o in (run.outcomes or [])]
+    outcomes = [o.model_dump(mode="json") for o in (validation.notes.get("outcomes") or [])]
+    tables = {name: df for r in results if r.ok for name, df in r.tables.items()}
     manifest = run.folder.manifest.model_dump(mode="json")
     key = GateKey.from_run(manifest, run.config_snapshot())
     run_id = None
@@ -52,7 +54,7 @@ def record(run: GateRun, verdict: Verdict) -> Recorded:
     if run.config.store.enabled:
         try:
             with Store(run.config.store.url) as store:
-                run_id = store.record_run(manifest, run.config_snapshot(), run.tables, outcomes,
+                run_id = store.record_run(manifest, run.config_snapshot(), tables, outcomes,
                                           verdict.model_dump(mode="json"), attempt_of=run.attempt_of,
                                           run_dir=run.path)
                 if run.config.report.html:
@@ -63,7 +65,7 @@ def record(run: GateRun, verdict: Verdict) -> Recorded:
             verdict = _not_recorded(verdict, f"writing {where} failed: {exc}")
             run.folder.write_json("verdict", verdict.model_dump(mode="json"))
     write_junit(verdict, outcomes, run.path / "junit.xml")
-    markdown = write_markdown_summary(verdict, outcomes, run.tables.get("comparison"), run_id=run_id,
+    markdown = write_markdown_summary(verdict, outcomes, tables.get("comparison"), run_id=run_id,
                                       key=str(key), report_path=report_path, path=run.path / "summary.md")
     publish(run.config.name, "summary", markdown, description=f"servegate {key}: {verdict.status}")
     return Recorded(verdict, run_id)

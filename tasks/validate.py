@@ -6,17 +6,23 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
-from servegate.gate import GateRun
-from servegate.validate import ExpectationOutcome, validate_tables
+from servegate.runstate import GateRun
+from servegate.stages import StageResult
+from servegate.tasks._stage import as_state
 
 
 @task(name="validate", cache_policy=NO_CACHE)
-def validate(run: GateRun) -> list[ExpectationOutcome]:
+def validate(run: GateRun, results: list[StageResult]) -> StageResult | State:
+    """Every expectation's outcome, in ``notes["outcomes"]`` (also ``expectations.json``)."""
+    from servegate.validate import validate_tables
+
     cfg = run.config.validate_
-    with run.stage("validate"):
-        outcomes = validate_tables(run.tables, cfg.expectation_profile,
+    tables = {name: df for r in results if r.ok for name, df in r.tables.items()}
+    with run.stage("validate") as result:
+        outcomes = validate_tables(tables, cfg.expectation_profile,
                                    Path(cfg.expectations_dir) if cfg.expectations_dir else None)
-        run.outcomes = outcomes
+        result.notes["outcomes"] = outcomes
         run.folder.write_json("expectations", [o.model_dump(mode="json") for o in outcomes])
-    return outcomes
+    return as_state(result)

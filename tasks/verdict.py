@@ -1,21 +1,31 @@
-"""verdict: pass / fail / inconclusive from every expectation outcome and infra error."""
+"""verdict: pass / fail / inconclusive from every expectation outcome and every stage's result."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from servegate.gate import GateRun
+from servegate.runstate import GateRun
+from servegate.stages import StageResult
 from servegate.tasks._artifacts import publish
-from servegate.verdict import Verdict, decide, verdict_markdown
+from servegate.render import verdict_markdown
+from servegate.verdict import Verdict, decide_verdict
+
+
+def infra_errors(results: list[StageResult]) -> list[str]:
+    """What kept the gate from deciding: every failed stage, with its error."""
+    return [f"{r.stage}: {r.error}" for r in results if r.status == "failed"]
 
 
 @task(name="verdict", cache_policy=NO_CACHE)
-def verdict(run: GateRun) -> Verdict:
-    result = decide(run.outcomes or [], list(run.infra_errors),
-                    {name: o.status for name, o in run.stages.items()})
-    if run.calibration is not None:
-        result = result.model_copy(update={"calibration": run.calibration})
+def verdict(run: GateRun, results: list[StageResult], validation: StageResult,
+            teardown_errors: list[str]) -> Verdict:
+    everything = [*results, validation]
+    result = decide_verdict(validation.notes.get("outcomes") or [], [*infra_errors(everything), *teardown_errors],
+                    {r.stage: r.status for r in everything})
+    calibration = next((r.notes["calibration"] for r in results if r.notes.get("calibration")), None)
+    if calibration is not None:
+        result = result.model_copy(update={"calibration": calibration})
     run.folder.write_json("verdict", result.model_dump(mode="json"))
     run.folder.finish()
     publish(run.config.name, "verdict", verdict_markdown(result), description=f"gate verdict: {result.status}")

@@ -1,21 +1,16 @@
-"""warmup: a few short requests; any failure fails the stage; nothing is measured."""
+"""warmup: a few short requests; any failure fails the stage; nothing it produces is measured."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
-from servegate.bench.warmup import run_warmup
-from servegate.gate import GateRun
+from servegate.runstate import GateRun
+from servegate.stages import StageResult
+from servegate.tasks._stage import perform
 
 
 @task(name="warmup", cache_policy=NO_CACHE)
-def warmup(run: GateRun) -> int:
-    if not run.config.warmup.enabled:
-        run.skip("warmup", "disabled in config")
-        return 0
-    if (reason := run.blocked_reason()) is not None:
-        run.skip("warmup", reason)
-        return 0
-    with run.stage("warmup"):
-        return run_warmup(run.base_url, run.engine, run.config.warmup, api_key=run.api_key)
+def warmup(run: GateRun, launched: StageResult) -> StageResult | State:
+    return perform(run, "warmup", launched)

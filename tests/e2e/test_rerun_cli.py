@@ -103,7 +103,7 @@ def test_rerun_serving_after_crash_passes_and_keeps_the_first_attempt(tmp_path: 
     assert after == before
 
     # The store has both attempts; the first attempt's measurements are still there.
-    from servegate.store import Store
+    from servegate.history import Store
 
     with Store(str(tmp_path / "history.db")) as store:
         attempts = store.attempts(v2["run_id"])

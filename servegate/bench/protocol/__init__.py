@@ -45,7 +45,6 @@ from servegate.bench.protocol.openai import (
 )
 from servegate.bench.protocol.sse import SSE_DONE, SSEDecoder, parse_sse_line, parse_sse_payload
 from servegate.errors import ConfigError
-from servegate.http import served_model_name
 
 if TYPE_CHECKING:  # engines do not import bench; kept out of the import graph all the same
     from servegate.engines.base import Engine
@@ -99,7 +98,3 @@ def protocol_for(engine: Engine, override: str | None = None) -> WireProtocol:
     (``serving.protocol``, e.g. OpenAI routes on an SGLang server)."""
     return protocol_named(override or engine.protocol)
 
-
-fetch_model_name = served_model_name
-"""The former name of ``servegate.http.served_model_name``, still imported by
-tests/slow/test_vllm_cpu.py; new code calls ``served_model_name`` or ``WireProtocol.served_model``."""

@@ -1,13 +1,10 @@
-"""One gate run's state: its folder, its worker, its tables, what each stage did.
+"""One gate run's state: its folder, its worker, its device slot and its deadlines — nothing else.
 
-The Prefect tasks in ``tasks/`` are thin wrappers that call the stage functions in
-``servegate.bench`` and hand their tables to a :class:`GateRun`; the flow in
-``flows/gate.py`` only composes those tasks. Everything that decides (is the worker
-still usable, should this stage run, what failed and why) lives here, so it is
-tested without Prefect.
-
-Every table is written to the run folder the moment it is measured: a stage that
-fails later loses nothing measured before it.
+Measurements do not live here: each stage returns a ``servegate.stages.StageResult`` that the
+flow passes on (compare, validate, verdict, record). What the run keeps is what must be shared
+by every stage of one run: the run folder (every table is written the moment it is measured, so
+a stage that fails later loses nothing), the worker handle, the held device slot, and the
+deadline timers that stop a stage (and its worker) past ``stage_max_s`` or ``max_wall_s``.
 """
 
 from __future__ import annotations
@@ -18,32 +15,23 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from servegate.config import GateConfig
 from servegate.engines import get_engine
 from servegate.engines.base import Engine
 from servegate.errors import ConfigError, DeadlineError, InfraError, ServegateError, WorkerDiedError
 from servegate.proctree import exit_on_sigterm, guard_process_tree
+from servegate.stages import StageResult, StageSpec
 
-__all__ = ["DEVICE_SLOT_ENV", "GateRun", "MEASUREMENT_STAGES", "STAGE_NEEDS", "StageOutcome", "call_flow", "device_slot_limit",
-           "hold_device_slot", "resolve_config"]
+if TYPE_CHECKING:  # pragma: no cover
+    from servegate.launch import WorkerHandle
+    from servegate.results import RunFolder
 
-logger = logging.getLogger("servegate.gate")
+__all__ = ["DEVICE_SLOT_ENV", "GateRun", "call_flow", "device_slot_limit", "hold_device_slot", "resolve_config"]
 
-MEASUREMENT_STAGES: tuple[str, ...] = ("one_batch", "serving", "occupancy", "quality")
-"""Measurement stages in gate order; each starts from a flushed, idle worker."""
-
-STAGE_NEEDS: dict[str, tuple[str, str]] = {
-    "occupancy": ("has_metrics", "exposes no Prometheus metrics the gate can rely on"),
-    "quality": ("has_logprobs", "does not promise the prompt log-probabilities the quality stage scores"),
-}
-"""Engine capability (``servegate.engines.base.Engine``) each stage needs, and what its absence means.
-A stage whose engine lacks it is *not applicable*: neither measured nor counted against the gate."""
+logger = logging.getLogger("servegate.runstate")
 
 DEVICE_SLOT_ENV = "SERVEGATE_DEVICE_SLOT"
 """Names the device this gate's worker runs on (e.g. ``gpu-box-3-gpu0``). When set, a gate holds
@@ -118,42 +106,27 @@ def resolve_config(config: GateConfig | None, profile: str | None, overrides: li
     return load_config(profile=profile or "smoke", overrides=list(overrides or []))
 
 
-@dataclass
-class StageOutcome:
-    stage: str
-    status: str  # ok | failed | skipped | not_applicable
-    duration_s: float = 0.0
-    error: str | None = None
-    tables: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "status": self.status, "duration_s": round(self.duration_s, 3),
-                "error": self.error, "tables": self.tables}
-
-
 class GateRun:
     """The state of one gate run, shared by the tasks of one flow run (in-process)."""
 
-    def __init__(self, config: GateConfig, folder: Any) -> None:
+    def __init__(self, config: GateConfig, folder: "RunFolder", *, attempt_of: str | None = None) -> None:
         self.config = config
         self.folder = folder
         self.engine: Engine = get_engine(config.worker.engine)
-        self.worker: Any = None  # servegate.launch.WorkerHandle once launched
-        self.tables: dict[str, pd.DataFrame] = {}
-        self.stages: dict[str, StageOutcome] = {}
-        self.infra_errors: list[str] = []
-        self.outcomes: list[Any] | None = None  # ExpectationOutcome list once validated
-        self.started_at = time.time()
+        self.worker: "WorkerHandle | None" = None
+        self.attempt_of = attempt_of  # the recorded run this one re-runs (servegate rerun)
         self.closed = False  # True once the gate stopped the worker on purpose
-        self.attempt_of: str | None = None  # the recorded run this one re-runs (servegate rerun)
-        self.calibration: dict[str, Any] | None = None  # the key's calibration summary (compare stage)
         self.device_slot = contextlib.ExitStack()  # the held device slot (hold_device_slot), released by close()
         self.deadline = time.monotonic() + config.max_wall_s
         self.overrun: str | None = None  # set (from a timer thread) when a stage ran past its deadline
+        self._records: dict[str, Any] = {}  # stage -> StageRecord, as stages.json shows them
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def open(cls, config: GateConfig) -> "GateRun":
+    def open(cls, config: GateConfig, *, parent: Path | None = None, attempt_of: str | None = None,
+             documents: dict[str, Any] | None = None) -> "GateRun":
+        """Check the suites, hold the device slot, make the run folder (under ``parent``, default
+        ``config.output_dir``) with its config and ``documents`` (name -> JSON, e.g. ``rerun``)."""
         from servegate.results import RunFolder
         from servegate.validate import load_suites
 
@@ -161,15 +134,17 @@ class GateRun:
         # measurements: nothing is launched and no run folder is made.
         load_suites(config.validate_.expectation_profile,
                     Path(config.validate_.expectations_dir) if config.validate_.expectations_dir else None)
-        held = hold_device_slot()  # before the folder: started_at is when the device became ours
+        held = hold_device_slot()  # before the folder: a run's start is when the device became ours
         try:
-            folder = RunFolder.create(Path(config.output_dir), config.name)
+            folder = RunFolder.create(parent or Path(config.output_dir), config.name)
             try:
                 folder.write_config(config)
+                for name, doc in (documents or {}).items():
+                    folder.write_json(name, doc)
             except BaseException:
                 folder.discard()
                 raise
-            run = cls(config, folder)
+            run = cls(config, folder, attempt_of=attempt_of)
         except BaseException:
             held.close()
             raise
@@ -193,31 +168,85 @@ class GateRun:
     def api_key(self) -> str | None:
         return self.config.worker.api_key_value()
 
-    # -- stage bookkeeping ----------------------------------------------------------------
-    def stage_enabled(self, stage: str) -> bool:
-        section = getattr(self.config, stage, None)
-        return bool(getattr(section, "enabled", True))
+    # -- whether a stage runs ---------------------------------------------------------------
+    def skip_reason(self, stage: StageSpec, *upstream: StageResult) -> tuple[str, str] | None:
+        """``(status, reason)`` when ``stage`` does not run — disabled, not applicable to the
+        engine, or blocked by what came before (``upstream``: the results it depends on) — else None.
 
-    def blocked_reason(self, stage: str | None = None) -> str | None:
-        """Why ``stage`` (or any further stage) cannot run, or None when it can.
-
-        A measurement stage needs a live worker and a successful flush just before it:
-        measuring a worker that is not idle with a cold cache measures something else.
+        A measurement needs a live worker and a successful flush just before it: measuring a
+        worker that is not idle with a cold cache measures something else.
         """
+        section = getattr(self.config, stage.section, None) if stage.section else None
+        if section is not None and not getattr(section, "enabled", True):
+            return "skipped", "disabled in config"
+        if stage.needs and not getattr(self.engine, stage.needs, True):
+            return "not_applicable", f"engine {self.engine.name} {stage.needs_why}"
+        if stage.name == "launch":
+            return None
         if self.overrun is not None:
-            return self.overrun
+            return "skipped", self.overrun
         if self.worker is None:
-            return "the worker was never launched (launch failed)"
+            return "skipped", "the worker was never launched (launch failed)"
         if not self.worker.is_alive():
-            return f"the worker exited (code {self.worker.returncode})"
-        warm = self.stages.get("warmup")
-        if warm is not None and warm.status == "failed":
-            return f"warmup failed: {warm.error}"
-        if stage is not None:
-            flushed = self.stages.get(f"flush:{stage}")
-            if flushed is not None and flushed.status == "failed":
-                return f"the flush before {stage} failed: {flushed.error}"
+            return "skipped", f"the worker exited (code {self.worker.returncode})"
+        for before in upstream:
+            if before.status == "failed":
+                return "skipped", f"{before.stage} failed: {before.error}"
         return None
+
+    # -- running a stage ----------------------------------------------------------------------
+    def skipped(self, stage: str, status: str, reason: str) -> StageResult:
+        """Record that ``stage`` did not run, and why."""
+        result = StageResult(stage, status=status, error=reason)  # type: ignore[arg-type]
+        self._keep(result)
+        return result
+
+    @contextlib.contextmanager
+    def stage(self, stage: str) -> Iterator[StageResult]:
+        """Time a stage and record how it ended; yields the result the stage fills.
+
+        A stage's own failure (any ``Exception``) is recorded in the result — status failed, the
+        error, what it measured before kept as ``<table>.partial`` — and not raised, so that the
+        flow goes on to tear down, validate and decide (inconclusive, never a pass). An interrupt
+        (Ctrl-C, SIGTERM) is recorded and raised: the gate stops.
+        """
+        result = StageResult(stage)
+        timer = self._arm_deadline(stage)
+        try:
+            if self.overrun is not None and not self.closed:
+                raise DeadlineError(self.overrun)
+            yield result
+            self.check_worker(stage)
+        except Exception as exc:
+            result.status, result.error = "failed", self._describe_failure(stage, exc)
+            logger.error("%s failed: %s", stage, result.error)
+        except BaseException as exc:
+            result.status, result.error = "failed", self._describe_failure(stage, exc)
+            raise
+        finally:
+            timer.cancel()
+            result.duration_s = time.perf_counter() - result.started
+            self._keep(result)
+
+    def _keep(self, result: StageResult) -> None:
+        """Write the result's tables (``.partial`` when it failed) and its record, at once."""
+        for name, df in result.tables.items():
+            if result.ok:
+                self.folder.write_table(name, df)
+            elif df is not None and not df.empty:
+                self.folder.write_table(f"{name}.partial", df)
+        if not result.ok:
+            result.tables = {}  # what a failed stage measured is kept on disk, never validated
+        record = result.record()
+        self._records[record.stage] = record
+        self.folder.write_json("stages", {name: r.model_dump(mode="json", exclude={"started_at"})
+                                          for name, r in self._records.items()})
+        self.folder.record_stage(record)
+
+    def carry(self, result: StageResult) -> None:
+        """Take a stage an earlier attempt measured (``servegate rerun``): its record, and its
+        tables written into this run's folder, so the attempt is validated and kept whole."""
+        self._keep(result)
 
     def check_worker(self, stage: str) -> None:
         """A stage that ran while the worker died measured a dying server: infra, not data."""
@@ -227,53 +256,6 @@ class GateRun:
             raise WorkerDiedError(
                 f"the worker exited (code {self.worker.returncode}) during {stage}; its measurements are kept in "
                 f"{self.path} but not trusted. Log tail:\n{self.worker.log_tail(20)}")
-
-    def not_applicable_reason(self, stage: str) -> str | None:
-        """Why the engine cannot serve ``stage`` (STAGE_NEEDS), or None when it can."""
-        need = STAGE_NEEDS.get(stage)
-        if need is None or getattr(self.engine, need[0], True):
-            return None
-        return f"engine {self.engine.name} {need[1]}"
-
-    def skipped(self, stage: str) -> bool:
-        """True (and the skip recorded with its reason) when ``stage`` is disabled, not applicable
-        to the engine, or blocked."""
-        if not self.stage_enabled(stage):
-            self.skip(stage, "disabled in config")
-            return True
-        if (reason := self.not_applicable_reason(stage)) is not None:
-            self.skip(stage, reason, status="not_applicable")
-            return True
-        if (reason := self.blocked_reason(stage)) is not None:
-            self.skip(stage, reason)
-            return True
-        return False
-
-    def skip(self, stage: str, reason: str, status: str = "skipped") -> None:
-        self.stages[stage] = StageOutcome(stage, status, error=reason)
-        self._write_stages(self.stages[stage])
-
-    @contextlib.contextmanager
-    def stage(self, stage: str) -> Iterator[StageOutcome]:
-        """Time a stage and record how it ended; infra failures are recorded, then re-raised."""
-        outcome = StageOutcome(stage, "ok")
-        started = time.perf_counter()
-        timer = self._arm_deadline(stage)
-        try:
-            if self.overrun is not None and not self.closed:
-                raise DeadlineError(self.overrun)
-            yield outcome
-            self.check_worker(stage)
-        except BaseException as exc:
-            outcome.status = "failed"
-            outcome.error = self._describe_failure(stage, exc)
-            self.infra_errors.append(f"{stage}: {outcome.error}")
-            raise
-        finally:
-            timer.cancel()
-            outcome.duration_s = time.perf_counter() - started
-            self.stages[stage] = outcome
-            self._write_stages(outcome)
 
     def _arm_deadline(self, stage: str) -> threading.Timer:
         """A timer that ends ``stage`` when it runs past ``stage_max_s`` or the gate's ``max_wall_s``.
@@ -319,45 +301,19 @@ class GateRun:
                         f"log tail:\n{self.worker.log_tail(20)}")
         return message
 
-    def save_table(self, name: str, df: pd.DataFrame, outcome: StageOutcome | None = None) -> None:
-        self.tables[name] = df
-        self.folder.write_table(name, df)
-        if outcome is not None:
-            outcome.tables.append(name)
-
-    def carry_stage(self, outcome: StageOutcome, tables: dict[str, pd.DataFrame]) -> None:
-        """Take a stage an earlier attempt measured (``servegate rerun``): its outcome, and its
-        tables written into this run's folder, so the attempt is validated and kept whole."""
-        for name, df in tables.items():
-            self.save_table(name, df)
-        self.stages[outcome.stage] = outcome
-        self._write_stages(outcome)
-
-    def save_partial(self, exc: BaseException, name: str) -> None:
-        """Keep what a stage measured before it failed (``exc.partial``), if anything."""
-        partial = getattr(exc, "partial", None)
-        if isinstance(partial, pd.DataFrame) and not partial.empty:
-            self.folder.write_table(f"{name}.partial", partial)
-        elif partial is not None and hasattr(partial, "requests"):
-            self.folder.write_table(f"{name}_requests.partial", partial.requests)
-
-    def _write_stages(self, latest: StageOutcome) -> None:
-        from servegate.results import StageRecord
-
-        self.folder.write_json("stages", {name: o.as_dict() for name, o in self.stages.items()})
-        self.folder.record_stage(StageRecord(stage=latest.stage, status=latest.status, error=latest.error,
-                                             duration_s=latest.duration_s, tables=latest.tables))
-
     # -- teardown -------------------------------------------------------------------------
-    def close(self) -> None:
-        """End the worker's whole process tree, then release the device slot. Safe to call more than once."""
+    def close(self) -> list[str]:
+        """End the worker's whole process tree, then release the device slot. Safe to call more than
+        once; returns teardown errors (never raised: they must not hide the run's outcome)."""
         self.closed = True
+        errors = []
         try:
             if self.worker is not None:
                 try:
                     self.worker.stop()
-                except InfraError as exc:  # never let teardown hide the real outcome
-                    self.infra_errors.append(f"teardown: {exc}")
+                except InfraError as exc:
+                    errors.append(f"teardown: {exc}")
                     logger.error("teardown failed: %s", exc)
         finally:
             self.device_slot.close()
+        return errors

@@ -1,0 +1,186 @@
+"""The gate's stages, declared once, and what a stage hands on: a :class:`StageResult`.
+
+Every list of stages or tables elsewhere is derived from :data:`STAGES` (rerunnable stages,
+measurement stages, what each stage needs of its engine, which tables it produces — the last
+from ``servegate.tables``). A stage's *run function* is a plain function
+``(run, result) -> None`` that measures and puts its tables into ``result.tables`` as it goes, so
+that whatever it measured before a failure is still there for the run folder; the Prefect task
+in ``tasks/`` is a thin wrapper (``servegate.tasks._stage.perform``), and the flow passes the
+results on to compare, validate, verdict and record.
+
+Pipeline::
+
+    launch -> warmup -> (flush -> measure) for one_batch, serving, occupancy, quality
+           -> compare -> validate -> verdict -> record
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import pandas as pd
+
+from servegate.tables import TABLE_STAGE
+
+if TYPE_CHECKING:  # pragma: no cover
+    from servegate.results import StageRecord
+    from servegate.runstate import GateRun
+
+__all__ = ["StageSpec", "StageResult", "STAGES", "MEASUREMENT_STAGES", "RERUNNABLE", "Status", "spec"]
+
+Status = Literal["ok", "failed", "skipped", "not_applicable"]
+
+
+@dataclass
+class StageResult:
+    """What one stage did: its status, its tables (as measured, partial ones on failure), notes."""
+
+    stage: str
+    status: Status = "ok"
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    """Tables the stage produced, by name; on failure, what it measured before (kept as ``.partial``)."""
+    error: str | None = None
+    """Why it failed, was skipped or is not applicable."""
+    duration_s: float = 0.0
+    notes: dict[str, Any] = field(default_factory=dict)
+    """What a later step needs besides tables (e.g. compare's calibration summary, launch's URL)."""
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def record(self) -> "StageRecord":
+        """The run folder's record of this stage (``stages.json``, the manifest)."""
+        from servegate.results import StageRecord
+
+        tables = sorted(self.tables) if self.ok else []
+        return StageRecord(stage=self.stage, status=self.status, error=self.error,
+                           duration_s=round(self.duration_s, 3), tables=tables)
+
+    @classmethod
+    def from_record(cls, record: "StageRecord", tables: dict[str, pd.DataFrame]) -> "StageResult":
+        """A stage an earlier attempt measured, taken as it was (``servegate rerun``)."""
+        return cls(stage=record.stage, status=record.status, tables=dict(tables), error=record.error,
+                   duration_s=float(record.duration_s or 0.0))
+
+
+RunFunction = Callable[["GateRun", StageResult], None]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of the gate."""
+
+    name: str
+    section: str | None
+    """Config section whose ``enabled`` turns the stage off (None: always on)."""
+    flushed: bool
+    """A measurement: starts from a flushed, idle worker (a flush stage ``flush:<name>`` runs first)."""
+    run: RunFunction
+    needs: str | None = None
+    """Engine capability (``servegate.engines.base.Engine`` flag) without which the stage is not applicable."""
+    needs_why: str = ""
+    """What the missing capability means, for the reason shown (``engine external <needs_why>``)."""
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        """The tables this stage produces (``servegate.tables``)."""
+        return tuple(t for t, stage in TABLE_STAGE.items() if stage == self.name)
+
+    @property
+    def rerunnable(self) -> bool:
+        return self.flushed
+
+
+# ---- the run functions ------------------------------------------------------------------------
+# Each imports its measurement lazily: building the registry (every CLI start, every task module)
+# must not import torch, scipy or GX.
+
+def _launch(run: "GateRun", result: StageResult) -> None:
+    from servegate.launch import launch_worker
+
+    run.worker = launch_worker(run.config.worker, run.path / "worker.log")
+    result.notes["base_url"] = run.worker.base_url
+
+
+def _warmup(run: "GateRun", result: StageResult) -> None:
+    from servegate.bench.warmup import run_warmup
+
+    result.notes["requests"] = run_warmup(run.base_url, run.engine, run.config.warmup, api_key=run.api_key)
+
+
+def _one_batch(run: "GateRun", result: StageResult) -> None:
+    cfg = run.config.one_batch
+    if cfg.mode == "offline":
+        from servegate.bench.offline import run_offline_one_batch
+
+        table = run_offline_one_batch(run.config.worker.model, cfg, partial=result.tables,
+                                      max_total_tokens=run.config.worker.budget().token_capacity)
+    else:
+        from servegate.bench.one_batch import run_one_batch
+
+        table = run_one_batch(run.base_url, run.engine, cfg, api_key=run.api_key, partial=result.tables)
+    result.tables["one_batch"] = table
+    run.folder.write_jsonl("one_batch", table.to_dict(orient="records"))
+
+
+def _serving(run: "GateRun", result: StageResult) -> None:
+    from servegate.bench.serving import run_serving
+
+    out = run_serving(run.base_url, run.engine, run.config.serving, api_key=run.api_key, partial=result.tables)
+    result.tables.update(serving_requests=out.requests, serving_summary=out.summary)
+    run.folder.write_jsonl("serving", out.summary.to_dict(orient="records"))
+
+
+def _occupancy(run: "GateRun", result: StageResult) -> None:
+    from servegate.bench.occupancy import run_occupancy
+
+    out = run_occupancy(run.base_url, run.engine, run.config.occupancy, api_key=run.api_key, partial=result.tables)
+    # The accept-length floor applies only to gates that turn speculative decoding on.
+    out.summary["speculative_decoding"] = run.config.worker.speculative_num_draft_tokens is not None
+    result.tables.update(occupancy_samples=out.samples, occupancy_summary=out.summary)
+
+
+def _quality(run: "GateRun", result: StageResult) -> None:
+    from servegate.bench.quality import run_quality
+
+    out = run_quality(run.base_url, run.engine, run.config.quality, api_key=run.api_key,
+                      model_for_reference=run.config.worker.model, partial=result.tables)
+    result.tables.update(quality_accuracy=out.accuracy, quality_items=out.items,
+                         quality_agreement=out.agreement, quality_agreement_rows=out.agreement_rows)
+
+
+def _flush(run: "GateRun", result: StageResult) -> None:
+    from servegate.bench.flush import flush_until_idle
+
+    result.notes["waited_s"] = flush_until_idle(run.base_url, run.engine, run.config.flush, api_key=run.api_key)
+
+
+STAGES: dict[str, StageSpec] = {s.name: s for s in (
+    StageSpec("launch", None, flushed=False, run=_launch),
+    StageSpec("warmup", "warmup", flushed=False, run=_warmup),
+    StageSpec("one_batch", "one_batch", flushed=True, run=_one_batch),
+    StageSpec("serving", "serving", flushed=True, run=_serving),
+    StageSpec("occupancy", "occupancy", flushed=True, run=_occupancy, needs="has_metrics",
+              needs_why="exposes no Prometheus metrics the gate can rely on"),
+    StageSpec("quality", "quality", flushed=True, run=_quality, needs="has_logprobs",
+              needs_why="does not promise the prompt log-probabilities the quality stage scores"),
+)}
+"""The worker's stages in gate order. compare, validate, verdict and record work on their results."""
+
+FLUSH = StageSpec("flush", "flush", flushed=False, run=_flush)
+"""The flush before each measurement (recorded as ``flush:<stage>``)."""
+
+MEASUREMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES.values() if s.flushed)
+"""Measurement stages in gate order; each starts from a flushed, idle worker."""
+RERUNNABLE: tuple[str, ...] = tuple(s.name for s in STAGES.values() if s.rerunnable)
+"""What ``servegate rerun --task`` accepts."""
+
+
+def spec(name: str) -> StageSpec:
+    """The stage called ``name`` (``flush:<stage>`` is the flush before it)."""
+    return FLUSH if name.startswith("flush:") else STAGES[name]
