@@ -91,14 +91,20 @@ def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: P
     gate = subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        # Wait until the serving stage is under way (one-batch table written, serving not yet).
+        # Wait until the serving stage is under way: its flush recorded ok, serving itself not yet
+        # (stages.json is rewritten as each stage ends; 40 requests at 2/s last about 20 s).
         deadline = time.monotonic() + 600
         killed = None
         while time.monotonic() < deadline and gate.poll() is None:
-            done = list((tmp_path / "runs").glob("*/one_batch.csv"))
+            stages = {}
+            for path in (tmp_path / "runs").glob("*/stages.json"):
+                try:
+                    stages = json.loads(path.read_text())
+                except (OSError, ValueError):  # being rewritten this instant
+                    pass
             workers = [p for p in psutil.Process(gate.pid).children(recursive=True)
                        if "worker" in (p.cmdline() or [])]
-            if done and workers:
+            if stages.get("flush:serving", {}).get("status") == "ok" and "serving" not in stages and workers:
                 time.sleep(2.0)
                 killed = workers[0]
                 killed.send_signal(signal.SIGKILL)

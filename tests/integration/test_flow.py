@@ -55,10 +55,26 @@ async def _artifact_keys(flow_run_id) -> set[str]:
     return {a.key for a in artifacts if a.key}
 
 
+def _suites_for_a_busy_machine(tmp_path: Path) -> Path:
+    """The smoke suites with the occupancy floor at 10 %: the random tiny model's forward pass is so
+    short that on a loaded 2-core machine the step loop's own time reached half the wall time (52 %
+    seen while other suites ran). This test is about the flow, not the floor."""
+    doc = json.loads((Path(__file__).resolve().parents[2] / "expectations" / "smoke.json").read_text())
+    for exp in doc["suites"]["occupancy_summary"]["expectations"]:
+        if exp["kwargs"].get("column") == "fwd_occupancy_median" and "min_value" in exp["kwargs"]:
+            exp["kwargs"]["min_value"] = 10
+    folder = tmp_path / "expectations"
+    folder.mkdir()
+    (folder / "smoke.json").write_text(json.dumps(doc))
+    return folder
+
+
 def test_flow_run_passes_records_artifacts_and_stops_worker(prefect_harness, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
     before = _children()
-    state = regression_gate(profile="smoke", overrides=[*TINY, f"output_dir={tmp_path}"], return_state=True)
+    state = regression_gate(profile="smoke", overrides=[
+        *TINY, f"output_dir={tmp_path}", f"validate.expectations_dir={_suites_for_a_busy_machine(tmp_path)}"],
+        return_state=True)
     assert state.is_completed(), state
     result = state.result()
     verdict = result["verdict"]

@@ -61,7 +61,7 @@ def test_serving_rows_and_summary(sim: SimServer, engine) -> None:
     assert s["completed"] == 12 and s["failed"] == 0 and s["connection_errors"] == 0
     assert s["total_output_tokens"] == req["output_tokens"].sum()
     assert s["goodput"] == pytest.approx(s["request_throughput"])  # a 10 s TTFT SLO: every request is good
-    assert s["mean_itl_ms"] >= 4.0  # the sim's decode step
+    assert s["mean_itl_ms"] >= 3.0  # the sim's 4 ms decode step (uvloop timers may fire up to ~1 ms early)
     assert math.isnan(s["arrival_ks_pvalue"])  # not Poisson
     assert res.meta["protocol"] == engine.protocol and res.meta["num_prompts"] == 12
     # One body per request, streamed, ignore_eos, token ids (no tokenizer on the client).
