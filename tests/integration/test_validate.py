@@ -10,13 +10,8 @@ import pandas as pd
 import pytest
 
 from servegate.errors import ValidationSetupError
-from servegate.validate import (
-    TABLE_NOT_PRODUCED,
-    allowed_text,
-    load_suites,
-    resolve_expectations_dir,
-    validate_tables,
-)
+from servegate.suites import allowed_text, resolve_expectations_dir
+from servegate.validate import TABLE_NOT_PRODUCED, load_suites, validate_tables
 from servegate.verdict import decide_verdict
 
 pytestmark = pytest.mark.timeout(120)
