@@ -18,12 +18,8 @@ so a reader never sees half a table and an interrupted write leaves the old file
 from __future__ import annotations
 
 import os
-import platform
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
@@ -33,37 +29,32 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 import pandas as pd
-import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import servegate
 from servegate import jsonio
 from servegate.config import REDACTED, GateConfig, is_secret_env_name, redact_url
 from servegate.errors import ConfigError, StageError
+from servegate.provenance import HostInfo, collect_host_info, git_branch, git_revision
 
 __all__ = [
     "SCHEMA_VERSION",
     "StageStatus",
-    "HostInfo",
     "StageRecord",
     "RunManifest",
     "RunFolder",
-    "collect_host_info",
-    "git_revision",
-    "git_branch",
 ]
 
 SCHEMA_VERSION = "1"
-"""Version of the records in this module and of the run-folder layout; bump on any
-incompatible change so that readers of old run folders can tell."""
+"""Version of the records in this module (with ``servegate.provenance.HostInfo``, which the
+manifest embeds) and of the run-folder layout; bump on any incompatible change so that readers
+of old run folders can tell."""
 
 StageStatus = Literal["ok", "failed", "skipped", "not_applicable"]
 
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_GIT_TIMEOUT_S = 5.0
-_NVIDIA_SMI_TIMEOUT_S = 10.0
 
 
 class _Record(BaseModel):
@@ -72,19 +63,6 @@ class _Record(BaseModel):
 
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
-
-
-class HostInfo(_Record):
-    """The machine a gate ran on."""
-
-    hostname: str = Field(description="socket.gethostname()")
-    platform: str = Field(description="platform.platform(), e.g. Linux-6.8-x86_64-with-glibc2.39")
-    python: str = Field(description="Python version running the gate")
-    cpu_model: str | None = Field(None, description="CPU model name when the OS reports one")
-    cpu_count_logical: int | None = Field(None, description="logical CPUs (psutil)")
-    cpu_count_physical: int | None = Field(None, description="physical cores (psutil)")
-    memory_total_bytes: int | None = Field(None, description="total RAM in bytes (psutil)")
-    gpus: list[str] = Field(default_factory=list, description="GPU names with memory, empty on CPU-only hosts")
 
 
 class StageRecord(_Record):
@@ -117,90 +95,6 @@ class RunManifest(_Record):
     started_at: datetime = Field(default_factory=_utcnow, description="UTC time the run folder was created")
     finished_at: datetime | None = Field(None, description="UTC time the run was finished (None while running)")
     stages: list[StageRecord] = Field(default_factory=list, description="one record per stage, in execution order")
-
-
-def _run_git(args: list[str], cwd: Path) -> str | None:
-    git = shutil.which("git")
-    if git is None:
-        return None
-    try:
-        proc = subprocess.run([git, *args], cwd=cwd, capture_output=True, text=True, timeout=_GIT_TIMEOUT_S,
-                              check=False)
-    except (subprocess.TimeoutExpired, OSError):
-        # Provenance is best effort: a hung or missing git must not stop a gate run.
-        return None
-    if proc.returncode != 0:
-        return None
-    return proc.stdout
-
-
-def git_revision(cwd: Path | None = None) -> tuple[str | None, bool | None]:
-    """``(HEAD commit, dirty)`` of the git work tree at ``cwd``; ``(None, None)`` outside a repository."""
-    cwd = Path.cwd() if cwd is None else Path(cwd)
-    head = _run_git(["rev-parse", "HEAD"], cwd)
-    if head is None:
-        return None, None
-    status = _run_git(["status", "--porcelain", "--untracked-files=no"], cwd)
-    return head.strip(), (None if status is None else bool(status.strip()))
-
-
-def git_branch(cwd: Path | None = None) -> str | None:
-    """The checked-out branch at ``cwd``; None when HEAD is detached or outside a repository."""
-    out = _run_git(["rev-parse", "--abbrev-ref", "HEAD"], Path.cwd() if cwd is None else Path(cwd))
-    branch = out.strip() if out else ""
-    return branch if branch and branch != "HEAD" else None
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _gpu_names() -> list[str]:
-    # Use torch only when the process already imported it: importing torch costs seconds
-    # that the gate's overhead budget should not pay just to describe the host.
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            if torch.cuda.is_available():
-                names = []
-                for i in range(torch.cuda.device_count()):
-                    props = torch.cuda.get_device_properties(i)
-                    names.append(f"{props.name}, {props.total_memory // 2**20} MiB")
-                return names
-        except RuntimeError:
-            pass
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        proc = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S, check=False)
-    except (subprocess.TimeoutExpired, OSError):
-        return []
-    if proc.returncode != 0:
-        return []
-    return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
-
-
-def collect_host_info() -> HostInfo:
-    """Describe this machine: hostname, OS, CPU, memory and GPUs."""
-    return HostInfo(
-        hostname=socket.gethostname(),
-        platform=platform.platform(),
-        python=platform.python_version(),
-        cpu_model=_cpu_model(),
-        cpu_count_logical=psutil.cpu_count(logical=True),
-        cpu_count_physical=psutil.cpu_count(logical=False),
-        memory_total_bytes=psutil.virtual_memory().total,
-        gpus=_gpu_names(),
-    )
 
 
 def _check_name(name: str) -> str:

@@ -14,15 +14,8 @@ import pytest
 
 from servegate.config import GateConfig
 from servegate.errors import ConfigError, StageError
-from servegate.results import (
-    SCHEMA_VERSION,
-    RunFolder,
-    RunManifest,
-    StageRecord,
-    collect_host_info,
-    git_branch,
-    git_revision,
-)
+from servegate.provenance import collect_host_info, git_branch, git_revision
+from servegate.results import SCHEMA_VERSION, RunFolder, RunManifest, StageRecord
 
 SGLANG_ONE_BATCH_FIELDS = ["batch_size", "input_len", "output_len", "latency", "input_throughput",
                            "output_throughput", "overall_throughput", "last_ttft"]
