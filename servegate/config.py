@@ -35,6 +35,7 @@ __all__ = [
     "VLLMBudget",
     "EmbeddedBudget",
     "ExternalBudget",
+    "TransformersBudget",
     "BUDGET_MODELS",
     "MemoryProfile",
     "MEMORY_PROFILES",
@@ -67,7 +68,7 @@ PROFILES_DIR = Path(__file__).parent / "profiles"
 QUALITY_DATA_DIR = Path(__file__).resolve().parent.parent / "expectations" / "data"
 """The shipped quality data (a checkout or editable install; override the paths in config otherwise)."""
 
-EngineName = Literal["embedded", "sglang", "vllm", "external"]
+EngineName = Literal["embedded", "sglang", "vllm", "external", "transformers"]
 
 
 class _Model(BaseModel):
@@ -214,12 +215,40 @@ class ExternalBudget(MemoryBudget):
     engine: Literal["external"] = "external"
 
 
-EngineBudget = Annotated[SGLangBudget | VLLMBudget | EmbeddedBudget | ExternalBudget,
+TRANSFORMERS_DEFAULT_BLOCK_SIZE = 256
+"""transformers' ``ContinuousBatchingConfig.page_size`` default: the tokens of a block when --cb-block-size is unset."""
+
+
+class TransformersBudget(MemoryBudget):
+    """``transformers serve --continuous-batching``: its paged KV cache and batch size (the ``--cb-*`` flags).
+
+    Unset, transformers sizes the cache from free memory (on CPU 60 % of the host's RAM): set
+    ``cb_num_blocks`` to bound it. Its KV token capacity is ``cb_num_blocks`` blocks of
+    ``cb_block_size`` tokens (transformers' default page size, 256, when unset).
+    """
+
+    engine: Literal["transformers"] = "transformers"
+    cb_num_blocks: int | None = Field(None, gt=0, description="KV cache blocks (--cb-num-blocks)")
+    cb_block_size: int | None = Field(None, ge=4, description="tokens per KV cache block (--cb-block-size)")
+    cb_max_batch_tokens: int | None = Field(None, gt=0, description="tokens per forward batch (--cb-max-batch-tokens)")
+    cb_max_memory_percent: float | None = Field(
+        None, gt=0, le=1, description="share of free memory for the KV cache when cb_num_blocks is unset "
+                                      "(--cb-max-memory-percent)")
+
+    @property
+    def token_capacity(self) -> int | None:
+        if self.cb_num_blocks is None:
+            return None
+        return self.cb_num_blocks * (self.cb_block_size or TRANSFORMERS_DEFAULT_BLOCK_SIZE)
+
+
+EngineBudget = Annotated[SGLangBudget | VLLMBudget | EmbeddedBudget | ExternalBudget | TransformersBudget,
                          Field(discriminator="engine")]
 """One engine's memory budget; ``engine`` says which."""
 
 BUDGET_MODELS: dict[str, type[MemoryBudget]] = {
-    model.model_fields["engine"].default: model for model in (SGLangBudget, VLLMBudget, EmbeddedBudget, ExternalBudget)
+    model.model_fields["engine"].default: model
+    for model in (SGLangBudget, VLLMBudget, EmbeddedBudget, ExternalBudget, TransformersBudget)
 }
 """Engine name -> its budget model (each engine class names the same one as ``Engine.budget_model``)."""
 
@@ -269,9 +298,13 @@ class MemoryProfile(_Model):
 
 
 def _kv_tokens(max_total_tokens: int, max_running_requests: int) -> list[MemoryBudget]:
-    """One KV token capacity and batch cap for the embedded worker and SGLang (they spell the flags alike)."""
-    return [model(max_total_tokens=max_total_tokens, max_running_requests=max_running_requests)
-            for model in (EmbeddedBudget, SGLangBudget)]
+    """One KV token capacity and batch cap for the embedded worker and SGLang (they spell the flags alike);
+    the same capacity for transformers serve, in blocks of its default size, with 1024 tokens per forward
+    batch (unset, it sizes the cache from 60 % of the host's free RAM and batches up to 8192 tokens)."""
+    return [*(model(max_total_tokens=max_total_tokens, max_running_requests=max_running_requests)
+              for model in (EmbeddedBudget, SGLangBudget)),
+            TransformersBudget(cb_num_blocks=max_total_tokens // TRANSFORMERS_DEFAULT_BLOCK_SIZE,
+                               cb_max_batch_tokens=1024)]
 
 
 # One named constant set per profile, shared by every model spec (no drift between specs).

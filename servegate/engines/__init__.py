@@ -6,17 +6,19 @@ from servegate.engines.base import Engine, Protocol, ServerCapacity
 from servegate.engines.embedded import EmbeddedEngine
 from servegate.engines.external import ExternalEngine
 from servegate.engines.sglang import SGLangEngine
+from servegate.engines.transformers_serve import TransformersServeEngine
 from servegate.engines.vllm import VLLMEngine
 from servegate.errors import ConfigError
 
 __all__ = ["Engine", "Protocol", "ServerCapacity", "ENGINES", "get_engine",
-           "EmbeddedEngine", "ExternalEngine", "SGLangEngine", "VLLMEngine"]
+           "EmbeddedEngine", "ExternalEngine", "SGLangEngine", "TransformersServeEngine", "VLLMEngine"]
 
 ENGINES: dict[str, type[Engine]] = {
     "embedded": EmbeddedEngine,
     "sglang": SGLangEngine,
     "vllm": VLLMEngine,
     "external": ExternalEngine,
+    "transformers": TransformersServeEngine,
 }
 
 

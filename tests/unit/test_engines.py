@@ -55,7 +55,8 @@ def test_get_engine(name: str, cls: type) -> None:
 
 
 def test_unknown_engine_lists_choices() -> None:
-    with pytest.raises(ConfigError, match=r"unknown engine 'tgi'.*\['embedded', 'external', 'sglang', 'vllm'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown engine 'tgi'.*\['embedded', 'external', 'sglang', 'transformers', 'vllm'\]"):
         get_engine("tgi")
 
 
