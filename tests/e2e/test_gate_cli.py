@@ -64,6 +64,26 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     assert measured and all(r["latency"] > 0 and r["output_throughput"] > 0 for r in measured)
     assert not worker_processes(tmp_path)
 
+    # The same run folder and verdict layout as before the redesign (issue 12: behaviour stays the
+    # same), recorded from the smoke gate of commit 5910325. Added since, on purpose:
+    # summary.not_applicable (issue 11, finding 8: checks the engine cannot provide).
+    golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
+    assert sorted(p.name for p in run_dir.iterdir()) == golden["files"]
+    expected = golden["verdict_json"]
+    expected["summary"]["not_applicable"] = "int"
+    assert _schema(json.loads((run_dir / "verdict.json").read_text())) == expected
+    assert sorted(verdict) == golden["stdout_json_keys"]
+    recorded = json.loads((run_dir / "stages.json").read_text())
+    assert sorted(recorded) == golden["stages"]
+    assert all(sorted(r) == golden["stage_record_keys"] for r in recorded.values()), recorded
+
+
+def _schema(obj):
+    """A JSON document's shape: keys with their value types (lists as "list")."""
+    if isinstance(obj, dict):
+        return {k: _schema(v) for k, v in sorted(obj.items())}
+    return "list" if isinstance(obj, list) else type(obj).__name__
+
 
 def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
     suites = tmp_path / "expectations"
