@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     from servegate.worker.kv_budget import kv_bytes_per_token, plan_token_capacity
     from servegate.worker.metrics import WorkerMetrics
     from servegate.models import ensure_model
-    from servegate.worker.server import WorkerState, build_app
+    from servegate.worker.http_plumbing import WorkerState
+    from servegate.worker.server import build_app
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -325,7 +325,8 @@ def test_key_check_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) ->
 
     from servegate.worker.faults import FaultConfig
     from servegate.worker.metrics import WorkerMetrics
-    from servegate.worker.server import WorkerState, build_app
+    from servegate.worker.http_plumbing import WorkerState
+    from servegate.worker.server import build_app
 
     compared: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
