@@ -21,7 +21,8 @@ from typing import Any, ClassVar, Literal
 
 import requests
 
-from servegate.config import REDACTED, MemoryBudget, WorkerSpec
+from servegate.budgets import MemoryBudget
+from servegate.config import REDACTED, WorkerSpec
 from servegate.errors import ConfigError
 from servegate.http import request_within
 

@@ -11,7 +11,8 @@ from typing import ClassVar
 
 import requests
 
-from servegate.config import EmbeddedBudget, WorkerSpec
+from servegate.budgets import EmbeddedBudget
+from servegate.config import WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity
 from servegate.engines.sglang import (SGLANG_METRIC_NAMES, fetch_sglang_server_info, parse_server_info,
                                      sglang_common_flags, sglang_flush)

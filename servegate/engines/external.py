@@ -14,7 +14,8 @@ from typing import ClassVar
 
 import requests
 
-from servegate.config import ExternalBudget, WorkerSpec
+from servegate.budgets import ExternalBudget
+from servegate.config import WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity, probe
 from servegate.engines.sglang import fetch_sglang_server_info, parse_server_info
 from servegate.errors import ConfigError, FlushError

@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 
 import requests
 
-from servegate.config import SGLangBudget, WorkerSpec
+from servegate.budgets import SGLangBudget
+from servegate.config import WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import FlushError, StageError
 from servegate.http import body_excerpt, join_url, json_body, request_within

@@ -29,7 +29,8 @@ from typing import ClassVar
 
 import requests
 
-from servegate.config import TransformersBudget, WorkerSpec
+from servegate.budgets import TransformersBudget
+from servegate.config import WorkerSpec
 from servegate.engine_install import resolve_engine_python
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import ConfigError

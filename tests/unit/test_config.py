@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from servegate.config import MEMORY_PROFILES, PROFILES_DIR, GateConfig, available_profiles, load_config
+from servegate.budgets import MEMORY_PROFILES
+from servegate.config import PROFILES_DIR, GateConfig, available_profiles, load_config
 from servegate.errors import ConfigError
 
 

@@ -13,8 +13,9 @@ from typing import get_args
 
 import pytest
 
-from servegate.config import (BUDGET_MODELS, MEMORY_PROFILES, EmbeddedBudget, EngineName, ExternalBudget, GateConfig,
-                              MemoryBudget, SGLangBudget, VLLMBudget, WorkerSpec, load_config)
+from servegate.budgets import (BUDGET_MODELS, MEMORY_PROFILES, EmbeddedBudget, ExternalBudget, MemoryBudget,
+                               SGLangBudget, VLLMBudget)
+from servegate.config import EngineName, GateConfig, WorkerSpec, load_config
 from servegate.engines import ENGINES, EmbeddedEngine, SGLangEngine, VLLMEngine, get_engine
 from servegate.errors import ConfigError
 

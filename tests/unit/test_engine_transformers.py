@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from servegate.config import MEMORY_PROFILES, REDACTED, TransformersBudget, WorkerSpec, load_config
+from servegate.budgets import MEMORY_PROFILES, TransformersBudget
+from servegate.config import REDACTED, WorkerSpec, load_config
 from servegate.engines import ENGINES, TransformersServeEngine, get_engine
 from servegate.engines.transformers_serve import HUB_VIEW_DIR, ensure_hub_view, served_model
 from servegate.errors import ConfigError

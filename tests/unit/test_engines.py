@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from servegate.config import MEMORY_PROFILES, REDACTED, SGLangBudget, WorkerSpec
+from servegate.budgets import MEMORY_PROFILES, SGLangBudget
+from servegate.config import REDACTED, WorkerSpec
 from servegate.engines import (EmbeddedEngine, ExternalEngine, SGLangEngine, VLLMEngine, get_engine)
 from servegate.engines.sglang import parse_server_info
 from servegate.errors import ConfigError
