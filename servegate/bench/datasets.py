@@ -3,6 +3,12 @@
 Random prompts are token ids sent as ``input_ids`` (native) or as a token-id ``prompt``
 (OpenAI), so the client needs no tokenizer and the server sees exactly the planned
 input length; nothing is decoded and re-encoded, so lengths cannot drift.
+
+A protocol that takes text only (``WireProtocol.needs_text_prompts``: "openai-text") gets the ids
+decoded with the model's tokenizer (``as_text_prompts``, once per run, before any clock starts), as
+SGLang's bench_serving does for OpenAI backends. The server re-tokenizes the text, so its
+``prompt_tokens`` may differ a little from the planned length; the load keeps the planned length in
+``planned_input_tokens`` and the server's in ``input_tokens``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from servegate.bench.protocol import Prompt
-from servegate.errors import ConfigError
+from servegate.errors import ConfigError, ModelUnavailableError
 
 __all__ = [
     "TOKEN_ID_LOW",
@@ -24,6 +30,8 @@ __all__ = [
     "random_token_ids",
     "sample_random_requests",
     "load_sharegpt",
+    "as_text_prompts",
+    "load_prompt_tokenizer",
 ]
 
 # Every model the gate targets has a vocabulary above 16k (SmolLM2: 49152); SGLang's
@@ -35,6 +43,10 @@ TOKEN_ID_HIGH: Final = 16384
 
 class _Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -133,3 +145,35 @@ def load_sharegpt(path: str | Path, num_prompts: int, seed: int, output_len: int
         raise ConfigError(f"ShareGPT dataset {p} has only {len(rows)} usable conversations, "
                          f"{num_prompts} requested; lower serving.num_prompts or use a larger file")
     return rows
+
+
+def as_text_prompts(rows: list[DatasetRow], tokenizer: _Decoder | None) -> list[DatasetRow]:
+    """``rows`` with every token-id prompt decoded to text by ``tokenizer`` (text prompts kept);
+    the planned lengths stay. ``ConfigError`` when a prompt is ids and there is no tokenizer."""
+    if tokenizer is None:
+        if any(not isinstance(r.prompt, str) for r in rows):
+            raise ConfigError("this protocol sends text prompts only and the prompts are token ids: pass the "
+                              "model's tokenizer (load_prompt_tokenizer(worker.model)) to decode them")
+        return rows
+    return [r if isinstance(r.prompt, str) else DatasetRow(prompt=tokenizer.decode(r.prompt), prompt_len=r.prompt_len,
+                                                           output_len=r.output_len)
+            for r in rows]
+
+
+def load_prompt_tokenizer(model: str) -> Any:
+    """The tokenizer of ``worker.model`` (a servegate alias, a local directory, or a Hugging Face id in
+    the local cache), loaded offline: the gate fetches nothing while it measures."""
+    from transformers import AutoTokenizer
+
+    from servegate.models import MODEL_ALIASES, ensure_model
+
+    local = model in MODEL_ALIASES or Path(model).expanduser().is_dir()
+    source = str(ensure_model(model, allow_fetch=False)) if local else model
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailableError(
+            f"could not load the tokenizer of {model!r} offline ({exc}); a text-only protocol (openai-text) needs "
+            f"it to decode the random token-id prompts — give worker.model as a servegate alias "
+            f"({sorted(MODEL_ALIASES)}) fetched with `servegate model fetch`, a local model directory, or a "
+            f"Hugging Face id that is in the local cache") from exc

@@ -54,7 +54,7 @@ import pandas as pd
 import requests
 from tqdm import tqdm
 
-from servegate.bench.datasets import DatasetRow, load_sharegpt, sample_random_requests
+from servegate.bench.datasets import DatasetRow, as_text_prompts, load_sharegpt, sample_random_requests
 from servegate.bench.protocol import WireProtocol, protocol_for
 from servegate.bench.stats import ARRIVAL_KS_ALPHA, arrival_ks_pvalue, client_validity, summarize_serving
 from servegate.config import ServingConfig
@@ -107,12 +107,15 @@ def arrival_schedule(n: int, arrival: str, rate: float, seed: int) -> np.ndarray
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
-def build_requests(cfg: ServingConfig, tokenizer: Any | None = None) -> list[DatasetRow]:
-    """The requests of a run: seeded random token ids, or a ShareGPT-format file."""
+def build_requests(cfg: ServingConfig, tokenizer: Any | None = None, *, text_prompts: bool = False) -> list[DatasetRow]:
+    """The requests of a run: seeded random token ids, or a ShareGPT-format file; with
+    ``text_prompts`` (a protocol that takes text only) every token-id prompt decoded by ``tokenizer``."""
     if cfg.dataset == "random":
-        return sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
+        rows = sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
                                       cfg.random_range_ratio, cfg.seed)
-    return load_sharegpt(cfg.dataset_path or "", cfg.num_prompts, cfg.seed, cfg.random_output_len, tokenizer)
+    else:
+        rows = load_sharegpt(cfg.dataset_path or "", cfg.num_prompts, cfg.seed, cfg.random_output_len, tokenizer)
+    return as_text_prompts(rows, tokenizer) if text_prompts else rows
 
 
 @dataclass
@@ -329,8 +332,9 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
                 partial: dict[str, pd.DataFrame] | None = None) -> ServingResult:
     """Run the serving load and return per-request rows, the one-row summary and the run's meta.
 
-    ``tokenizer`` (anything with ``encode``) is used only for ShareGPT files; see
-    ``datasets.load_sharegpt``. ``partial`` (when given) receives ``{"serving_requests": rows}``
+    ``tokenizer`` (the model's) encodes ShareGPT files (``datasets.load_sharegpt``) and, when the
+    protocol takes text only (``needs_text_prompts``), decodes token-id prompts to text — all before
+    the clock starts; such a protocol needs it for the random dataset. ``partial`` (when given) receives ``{"serving_requests": rows}``
     as soon as the load has run, so that the caller keeps them when the run then fails: when
     every request failed on a connection error the server is gone (``ServerUnreachableError``);
     when no request succeeded for another reason, ``InsufficientDataError``. A ``session`` given
@@ -338,7 +342,7 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
     """
     base_url = base_url.rstrip("/")
     wire = protocol_for(engine, cfg.protocol)
-    rows = build_requests(cfg, tokenizer)
+    rows = build_requests(cfg, tokenizer, text_prompts=wire.needs_text_prompts)
     schedule = arrival_schedule(len(rows), cfg.arrival, cfg.request_rate, cfg.seed)
     http = session or make_session(api_key)
     try:

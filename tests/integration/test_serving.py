@@ -240,3 +240,67 @@ def test_server_that_requires_an_api_key(sim: SimServer, engine) -> None:
     assert res.requests["success"].all()
     with pytest.raises((InsufficientDataError, StageError), match="401"):
         run_serving(sim.base_url, engine, _cfg(num_prompts=4))
+
+
+class _StrictOpenAIEngine(VLLMEngine):
+    """A server speaking OpenAI's schema strictly (transformers serve): the "openai-text" dialect."""
+
+    protocol = "openai-text"  # type: ignore[assignment]
+
+
+class _WordTokenizer:
+    """Decodes each id to one word, so that the sim's word count is the planned length; records calls."""
+
+    def __init__(self) -> None:
+        self.decoded: list[list[int]] = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded.append(list(ids))
+        return " ".join(f"w{i}" for i in ids)
+
+
+def test_openai_text_decodes_id_prompts_before_the_clock(sim: SimServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import servegate.bench.serving as serving
+
+    tokenizer = _WordTokenizer()
+    decoded_when_load_began: list[int] = []
+    run_load = serving._run_load
+
+    async def timed_load(*args, **kwargs):
+        # _run_load holds the clock (t0, the dispatcher, every request's send time): all decoding is done.
+        decoded_when_load_began.append(len(tokenizer.decoded))
+        return await run_load(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "_run_load", timed_load)
+    res = run_serving(sim.base_url, _StrictOpenAIEngine(), _cfg(), tokenizer=tokenizer)
+    req = res.requests
+    assert decoded_when_load_began == [12] and len(tokenizer.decoded) == 12  # once per prompt, none after
+    assert req["success"].all() and res.summary.iloc[0]["protocol"] == "openai-text"
+    assert (req["input_tokens"] == req["planned_input_tokens"]).all()
+    assert (req["output_tokens"] <= req["planned_output_tokens"]).all()
+    bodies = sim.state.bodies
+    assert len(bodies) == 12 and all(isinstance(b["prompt"], str) and "ignore_eos" not in b for b in bodies)
+    assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
+
+
+def test_openai_text_without_a_tokenizer_refuses_id_prompts(sim: SimServer) -> None:
+    from servegate.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="text prompts only.*tokenizer"):
+        run_serving(sim.base_url, _StrictOpenAIEngine(), _cfg())
+    assert sim.state.bodies == []  # refused before any request
+
+
+def test_openai_text_outputs_shorter_than_asked_are_measured_longer_ones_failed(sim: SimServer) -> None:
+    # No ignore_eos: an EOS may end an output early (a measurement); a count above max_tokens is a lie.
+    sim.state.stop_after_tokens = 2
+    res = run_serving(sim.base_url, _StrictOpenAIEngine(), _cfg(random_output_len=6), tokenizer=_WordTokenizer())
+    assert res.requests["success"].all() and (res.requests["output_tokens"] == 2).all()
+    sim.state.stop_after_tokens, sim.state.claim_factor = None, 3
+    tables: dict = {}
+    with pytest.raises(InsufficientDataError, match="all 12 requests failed"):
+        run_serving(sim.base_url, _StrictOpenAIEngine(), _cfg(random_range_ratio=1.0), tokenizer=_WordTokenizer(),
+                    partial=tables)
+    partial = tables["serving_requests"]
+    assert (partial["error_kind"] == "protocol").all()
+    assert partial["error"].str.contains("reported 18 completion tokens for a request of max tokens 6").all()

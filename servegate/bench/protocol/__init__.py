@@ -4,7 +4,8 @@
 
     base      WireProtocol (the interface), TokenStream, BatchTally, StreamEvent, check_count_within
     native    NativeProtocol: SGLang's POST /generate (SGLang, the embedded worker)
-    openai    OpenAIProtocol: POST /v1/completions (vLLM, OpenAI-compatible servers)
+    openai    OpenAIProtocol: POST /v1/completions (vLLM, OpenAI-compatible servers);
+              OpenAITextProtocol: its strict-schema dialect, "openai-text" (transformers serve)
     sse       Server-Sent Events framing both stream in (SSEDecoder, parse_sse_line)
 
 A stage gets its engine's protocol with ``protocol_for(engine)`` and asks it for the URL, the
@@ -39,6 +40,7 @@ from servegate.bench.protocol.native import (
 from servegate.bench.protocol.openai import (
     COMPLETIONS_PATH,
     OpenAIProtocol,
+    OpenAITextProtocol,
     openai_completions_body,
     openai_events,
     openai_usage,
@@ -53,8 +55,10 @@ __all__ = [
     "WireProtocol",
     "NativeProtocol",
     "OpenAIProtocol",
+    "OpenAITextProtocol",
     "NATIVE",
     "OPENAI",
+    "OPENAI_TEXT",
     "PROTOCOLS",
     "protocol_for",
     "protocol_named",
@@ -81,7 +85,8 @@ __all__ = [
 
 NATIVE: Final = NativeProtocol()
 OPENAI: Final = OpenAIProtocol()
-PROTOCOLS: Final[dict[str, WireProtocol]] = {p.name: p for p in (NATIVE, OPENAI)}
+OPENAI_TEXT: Final = OpenAITextProtocol()
+PROTOCOLS: Final[dict[str, WireProtocol]] = {p.name: p for p in (NATIVE, OPENAI, OPENAI_TEXT)}
 """Protocol name (an engine's ``protocol`` attribute, ``serving.protocol``) -> its object."""
 
 

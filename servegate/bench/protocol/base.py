@@ -96,7 +96,8 @@ class TokenStream(abc.ABC):
         """The prompt's length as a chunk reported it while streaming (None: not yet)."""
 
     def feed(self, data: bytes, ts: float) -> bool:
-        """Take body bytes that arrived at ``ts``; True once ``[DONE]`` was seen."""
+        """Take body bytes that arrived at ``ts``; True once the stream is complete (``[DONE]``, or
+        what ends it in the protocol's dialect: ``OpenAITextTokenStream``)."""
         return self._take(self.decoder.feed(data), ts)
 
     def close(self) -> None:
@@ -188,6 +189,10 @@ class WireProtocol(abc.ABC):
     """Whether every request body must name the served model (``served_model``)."""
     no_logprobs_hint: ClassVar[str]
     """What the server must support for the quality stage's log-probability requests."""
+    needs_text_prompts: ClassVar[bool] = False
+    """Whether the server takes text prompts only: token-id prompts must be decoded with the model's
+    tokenizer before the clock starts (``servegate.bench.datasets.as_text_prompts``; the serving
+    stage's run function loads that tokenizer once per run)."""
 
     def url(self, base_url: str) -> str:
         return base_url.rstrip("/") + self.path

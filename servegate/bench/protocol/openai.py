@@ -15,6 +15,15 @@ shared bound, and that the final ``usage`` agrees with the last per-chunk cumula
 ``usage`` (``continuous_usage_stats``) when the server sends both. An OpenAI server that
 claims no more than was asked but streams fewer tokens cannot be caught without a tokenizer
 (or logprobs, which cost the server time).
+
+``OpenAITextProtocol`` ("openai-text") is the dialect of servers that follow OpenAI's schema
+strictly (transformers serve 5.23): one text prompt per request (token ids and lists are refused:
+400), no ``ignore_eos`` (an unknown field is 422), no ``continuous_usage_stats``, and a stream that
+may end at its finish chunk, which carries ``usage``, without ``data: [DONE]``. Without
+``ignore_eos`` a request's output is *up to* ``max_tokens`` (EOS may end it sooner): fewer tokens
+are a measurement, more are still a lie (``check_count_within``). Token-id prompts are decoded to
+text with the model's tokenizer before any clock starts (``needs_text_prompts``;
+``servegate.bench.datasets.as_text_prompts``), as SGLang's bench_serving does for OpenAI backends.
 """
 
 from __future__ import annotations
@@ -43,7 +52,9 @@ from servegate.http import served_model_name
 __all__ = [
     "COMPLETIONS_PATH",
     "OpenAIProtocol",
+    "OpenAITextProtocol",
     "OpenAITokenStream",
+    "OpenAITextTokenStream",
     "OpenAIBatchTally",
     "openai_completions_body",
     "openai_events",
@@ -62,12 +73,13 @@ _FINISH_KEY: Final = b'"finish_reason"'
 
 
 def openai_completions_body(model: str, prompt: Prompt | list[Prompt], max_tokens: int, *, stream: bool | None,
-                            ignore_eos: bool | None = True, temperature: float = 0.0) -> dict[str, Any]:
+                            ignore_eos: bool | None = True, temperature: float = 0.0,
+                            continuous_usage: bool = True) -> dict[str, Any]:
     """Body of ``POST /v1/completions``; a list of prompts is one request with one choice per prompt.
 
-    ``continuous_usage_stats`` asks vLLM/SGLang for a cumulative ``usage`` on every chunk, so
-    that a chunk carrying several tokens (speculative decoding) spreads its gap over them.
-    ``stream``/``ignore_eos`` None: left out.
+    ``continuous_usage_stats`` (``continuous_usage``) asks vLLM/SGLang for a cumulative ``usage``
+    on every chunk, so that a chunk carrying several tokens (speculative decoding) spreads its gap
+    over them; it is not OpenAI's. ``stream``/``ignore_eos`` None: left out.
     """
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
     if ignore_eos is not None:
@@ -75,7 +87,8 @@ def openai_completions_body(model: str, prompt: Prompt | list[Prompt], max_token
     if stream is not None:
         body["stream"] = stream
     if stream:
-        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        body["stream_options"] = ({"include_usage": True, "continuous_usage_stats": True} if continuous_usage
+                                  else {"include_usage": True})
     return body
 
 
@@ -125,6 +138,10 @@ class OpenAITokenStream(TokenStream):
     """A ``/v1/completions`` stream: token chunks read at the bytes level when compact, else decoded."""
 
     __slots__ = ("usage_total", "chunk_usage")
+
+    ends_at_final_usage: ClassVar[bool] = False
+    """Whether the stream is complete once a chunk gave the final ``usage`` with no choice left
+    unfinished (the dialect without ``[DONE]``); False: only ``[DONE]`` ends it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -180,9 +197,11 @@ class OpenAITokenStream(TokenStream):
                 if completion is not None:
                     completion = int(completion)
             choices = data.get("choices")
+            finished = False
             if choices and len(choices) == 1:
                 ch = choices[0]
-                has_token = ch.get("text") or ch.get("finish_reason") is None
+                finished = ch.get("finish_reason") is not None
+                has_token = ch.get("text") or not finished
             else:
                 has_token = bool(openai_events(data))
         except orjson.JSONDecodeError:
@@ -193,9 +212,12 @@ class OpenAITokenStream(TokenStream):
         if not has_token:
             if completion is not None:
                 self.usage_total = completion
+                # A finish-only or usage-only chunk: no choice in it is still generating.
+                self.done = self.done or self.ends_at_final_usage
             return count
         if completion is None:
             return count + 1
+        self.done = self.done or (finished and self.ends_at_final_usage)  # the last token with the final usage
         self.chunk_usage = True
         return completion
 
@@ -221,6 +243,14 @@ class OpenAITokenStream(TokenStream):
         except StageError as exc:
             return str(exc)
         return None
+
+
+class OpenAITextTokenStream(OpenAITokenStream):
+    """A stream that ends at its finish chunk with ``usage`` (transformers serve sends no ``[DONE]``);
+    a ``[DONE]`` that does come is taken too. A stream cut before that chunk stays not done."""
+
+    __slots__ = ()
+    ends_at_final_usage: ClassVar[bool] = True
 
 
 class OpenAIBatchTally(BatchTally):
@@ -341,3 +371,37 @@ class OpenAIProtocol(WireProtocol):
                                  f"{self.no_logprobs_hint}")
             outputs.append(([_token_id(t, what) for t in tokens], [None if v is None else float(v) for v in values]))
         return outputs
+
+
+def _text_prompt(prompt: Prompt | list[Prompt]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise ConfigError("the openai-text protocol sends one prompt per request: its servers refuse a list of "
+                          "prompts (400); the one-batch stage needs an engine with takes_prompt_batches")
+    raise ConfigError("the openai-text protocol sends text prompts only (its servers refuse token ids: 400); "
+                      "decode token-id prompts with the model's tokenizer before the clock starts "
+                      "(servegate.bench.datasets.as_text_prompts)")
+
+
+class OpenAITextProtocol(OpenAIProtocol):
+    """``POST /v1/completions`` as servers that follow OpenAI's schema strictly serve it
+    (transformers serve): one text prompt per request, no ``ignore_eos`` (outputs are *up to*
+    ``max_tokens``), no ``continuous_usage_stats``, and a stream that ends at its finish chunk with
+    ``usage`` (a ``[DONE]`` is taken too). The module's docstring says what that changes."""
+
+    name: ClassVar[str] = "openai-text"
+    needs_text_prompts: ClassVar[bool] = True
+
+    def body(self, prompt: Prompt | list[Prompt], max_tokens: int, *, model: str | None = None,
+             stream: bool | None, ignore_eos: bool | None = True, temperature: float = 0.0) -> dict[str, Any]:
+        # ignore_eos is not sent whatever is asked: the server refuses the field (422).
+        return openai_completions_body(_require_model(model), _text_prompt(prompt), max_tokens, stream=stream,
+                                       ignore_eos=None, temperature=temperature, continuous_usage=False)
+
+    def batch_tally(self, batch_size: int, max_tokens: int) -> BatchTally:
+        raise ConfigError("the openai-text protocol sends one prompt per request: no batched request to tally; "
+                          "the one-batch stage needs an engine with takes_prompt_batches")
+
+    def token_stream(self) -> TokenStream:
+        return OpenAITextTokenStream()
