@@ -129,9 +129,15 @@ def _one_batch(run: "GateRun", result: StageResult) -> None:
 
 
 def _serving(run: "GateRun", result: StageResult) -> None:
+    from servegate.bench.datasets import load_prompt_tokenizer
+    from servegate.bench.protocol import protocol_for
     from servegate.bench.serving import run_serving
 
-    out = run_serving(run.base_url, run.engine, run.config.serving, api_key=run.api_key, partial=result.tables)
+    # A text-only protocol gets its prompts decoded by the model's tokenizer, loaded once per run.
+    wire = protocol_for(run.engine, run.config.serving.protocol)
+    tokenizer = load_prompt_tokenizer(run.config.worker.model) if wire.needs_text_prompts else None
+    out = run_serving(run.base_url, run.engine, run.config.serving, api_key=run.api_key, tokenizer=tokenizer,
+                      partial=result.tables)
     result.tables.update(serving_requests=out.requests, serving_summary=out.summary)
     run.folder.write_jsonl("serving", out.summary.to_dict(orient="records"))
 
@@ -163,7 +169,8 @@ def _flush(run: "GateRun", result: StageResult) -> None:
 STAGES: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("launch", None, flushed=False, run=_launch),
     StageSpec("warmup", "warmup", flushed=False, run=_warmup),
-    StageSpec("one_batch", "one_batch", flushed=True, run=_one_batch),
+    StageSpec("one_batch", "one_batch", flushed=True, run=_one_batch, needs="takes_prompt_batches",
+              needs_why="takes no list of prompts in one request, which one-batch sends as its batch"),
     StageSpec("serving", "serving", flushed=True, run=_serving),
     StageSpec("occupancy", "occupancy", flushed=True, run=_occupancy, needs="has_metrics",
               needs_why="exposes no Prometheus metrics the gate can rely on"),

@@ -7,7 +7,8 @@ protocol the load generator speaks to it, and the names of its Prometheus metric
 Each concrete engine is one small module in this package.
 
 It also states its capabilities as class attributes (``launches``, ``can_flush``,
-``has_metrics``, ``has_occupancy_gauge``, ``reports_capacity``, ``has_logprobs``), so that a
+``has_metrics``, ``has_occupancy_gauge``, ``reports_capacity``, ``has_logprobs``,
+``takes_prompt_batches``), so that a
 stage can tell "this engine cannot do that" (not applicable) from "it failed" (a breach or an
 infra error) without branching on the engine's name.
 """
@@ -28,7 +29,7 @@ from servegate.http import request_within
 
 __all__ = ["Engine", "ServerCapacity", "Protocol", "user_env"]
 
-Protocol = Literal["native", "openai"]
+Protocol = Literal["native", "openai", "openai-text"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class ServerCapacity:
 class Engine(abc.ABC):
     name: ClassVar[str]
     protocol: ClassVar[Protocol]
-    """What the load generator speaks: SGLang-native /generate or OpenAI /v1/completions."""
+    """What the load generator speaks: SGLang-native /generate, OpenAI /v1/completions, or its
+    strict-schema dialect "openai-text" (text prompts only, no ignore_eos, no [DONE])."""
     readiness_path: ClassVar[str]
     """GET path that answers 200 once the server can generate."""
     metric_names: ClassVar[dict[str, str]]
@@ -69,6 +71,9 @@ class Engine(abc.ABC):
     """The server reports its token capacity / running-request cap (``server_capacity`` is finite)."""
     has_logprobs: ClassVar[bool]
     """The server returns prompt and output token log-probabilities (the quality stage needs them)."""
+    takes_prompt_batches: ClassVar[bool]
+    """The server takes a list of prompts in one generation request (the one-batch stage sends its
+    whole batch so); False makes one-batch not applicable."""
     api_key_env_var: ClassVar[str | None] = None
     """The environment variable the server reads its API key from; None when it only takes a
     command-line flag (visible to every user in ``ps``)."""

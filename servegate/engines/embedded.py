@@ -33,6 +33,7 @@ class EmbeddedEngine(Engine):
     has_occupancy_gauge: ClassVar[bool] = True
     reports_capacity: ClassVar[bool] = True
     has_logprobs: ClassVar[bool] = True
+    takes_prompt_batches: ClassVar[bool] = True
     # The worker reads its key from this variable (servegate/worker/cli.py): never on its command line.
     api_key_env_var: ClassVar[str | None] = API_KEY_ENV
     budget_model: ClassVar[type[EmbeddedBudget]] = EmbeddedBudget

@@ -42,6 +42,9 @@ class ExternalEngine(Engine):
     reports_capacity: ClassVar[bool] = False  # best effort: SGLang-style server info where present
     # Prompt log-probabilities (`echo` with `logprobs`) are not served by every OpenAI-compatible server.
     has_logprobs: ClassVar[bool] = False
+    # Assumed, as vLLM and SGLang take a list of prompts: a server that refuses one answers each
+    # one-batch case with an HTTP error, a failed row that names it.
+    takes_prompt_batches: ClassVar[bool] = True
     budget_model: ClassVar[type[ExternalBudget]] = ExternalBudget  # no fields: it launches nothing
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:

@@ -153,6 +153,7 @@ class SGLangEngine(Engine):
     has_occupancy_gauge: ClassVar[bool] = True
     reports_capacity: ClassVar[bool] = True
     has_logprobs: ClassVar[bool] = True
+    takes_prompt_batches: ClassVar[bool] = True
     # SGLang reads its API key only from --api-key (ServerArgs.api_key; no environment variable in
     # sglang/srt/server_args.py), so the key stays on its command line, visible in `ps`. Its
     # `--config FILE` (YAML holding `api-key`) would keep it out, given a 0600 file that launch

@@ -4,7 +4,9 @@ What the server has (transformers 5.23, ``transformers/cli/serving/server.py``):
 ``/v1/chat/completions``, ``/v1/models``, ``GET /health`` (503 once the batching worker died). What it
 has not, and so the capabilities below say: no Prometheus ``/metrics`` (404: no occupancy stage), no
 log-probabilities (``logprobs`` and ``echo`` are ignored: no quality stage), no server info (capacity
-``inf``), no API key. Its continuous-batching cache shares blocks between requests with a common
+``inf``), no API key, no list of prompts in one request (no one-batch stage). Its ``/v1/completions``
+follows OpenAI's schema strictly — a text prompt, no ``ignore_eos``, no ``data: [DONE]`` — so the gate
+speaks the "openai-text" dialect to it (``servegate.bench.protocol.openai``). Its continuous-batching cache shares blocks between requests with a common
 prefix, but no route drops them (``/reset`` unloads the model): ``flush`` returns False, and the
 flush stage warns that the measurement runs unflushed.
 
@@ -103,7 +105,8 @@ def ensure_hub_view(hub_id: str, directory: Path, root: Path) -> Path:
 
 class TransformersServeEngine(Engine):
     name: ClassVar[str] = "transformers"
-    protocol: ClassVar[Protocol] = "openai"
+    # Text prompts only, no ignore_eos (422), no [DONE]: OpenAI's schema strictly (bench.protocol.openai).
+    protocol: ClassVar[Protocol] = "openai-text"
     readiness_path: ClassVar[str] = "/health"
     metric_names: ClassVar[dict[str, str]] = {}
     metrics_hint: ClassVar[str] = (
@@ -114,6 +117,7 @@ class TransformersServeEngine(Engine):
     has_occupancy_gauge: ClassVar[bool] = False
     reports_capacity: ClassVar[bool] = False  # no server-info route
     has_logprobs: ClassVar[bool] = False  # /v1/completions ignores logprobs and echo
+    takes_prompt_batches: ClassVar[bool] = False  # a list of prompts is 400 "prompt must be a string"
     budget_model: ClassVar[type[TransformersBudget]] = TransformersBudget
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:

@@ -69,6 +69,7 @@ class VLLMEngine(Engine):
     has_occupancy_gauge: ClassVar[bool] = False
     reports_capacity: ClassVar[bool] = False  # no KV token capacity over HTTP
     has_logprobs: ClassVar[bool] = True
+    takes_prompt_batches: ClassVar[bool] = True
     # vLLM's API server takes `--api-key` or, when that is not given, $VLLM_API_KEY.
     api_key_env_var: ClassVar[str | None] = "VLLM_API_KEY"
     budget_model: ClassVar[type[VLLMBudget]] = VLLMBudget

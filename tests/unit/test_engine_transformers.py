@@ -163,13 +163,15 @@ def test_budget_sizes_and_token_capacity() -> None:
         assert profile.for_engine("transformers").token_capacity == profile.for_engine("embedded").token_capacity
 
 
-def test_capabilities_make_occupancy_and_quality_not_applicable() -> None:
-    assert ENGINE.launches and ENGINE.protocol == "openai" and ENGINE.readiness_path == "/health"
+def test_capabilities_make_one_batch_occupancy_and_quality_not_applicable() -> None:
+    # transformers serve follows OpenAI's schema strictly: text prompts, no ignore_eos, no [DONE].
+    assert ENGINE.launches and ENGINE.protocol == "openai-text" and ENGINE.readiness_path == "/health"
     assert (ENGINE.can_flush, ENGINE.has_metrics, ENGINE.has_occupancy_gauge, ENGINE.reports_capacity,
-            ENGINE.has_logprobs) == (False, False, False, False, False)
+            ENGINE.has_logprobs, ENGINE.takes_prompt_batches) == (False, False, False, False, False, False)
     assert ENGINE.metric_names == {} and "no /metrics" in ENGINE.metrics_hint
     assert [name for name, stage in STAGES.items() if stage.needs and not getattr(ENGINE, stage.needs)] == \
-        ["occupancy", "quality"]
+        ["one_batch", "occupancy", "quality"]
+    assert STAGES["one_batch"].needs_why == "takes no list of prompts in one request, which one-batch sends as its batch"
 
 
 def test_flush_and_capacity_ask_the_server_nothing() -> None:
@@ -181,3 +183,52 @@ def test_flush_and_capacity_ask_the_server_nothing() -> None:
         assert ENGINE.flush(session, "http://127.0.0.1:9", 60.0) is False
         capacity = ENGINE.server_capacity(session, "http://127.0.0.1:9")
     assert math.isinf(capacity.token_capacity) and math.isinf(capacity.max_running_requests)
+
+
+@pytest.mark.parametrize("engine,loads", [("transformers", True), ("vllm", False)])
+def test_the_serving_stage_gives_a_text_protocol_the_models_tokenizer_once(
+        engine: str, loads: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import pandas as pd
+
+    import servegate.bench.datasets as datasets
+    import servegate.bench.serving as serving
+    from servegate.bench.serving import ServingResult
+    from servegate.stages import StageResult
+
+    loaded: list[str] = []
+    handed: list[object] = []
+    tokenizer = object()
+
+    def fake_load(model: str) -> object:
+        loaded.append(model)
+        return tokenizer
+
+    def fake_run_serving(base_url, eng, cfg, api_key=None, *, tokenizer=None, session=None, partial=None):
+        handed.append(tokenizer)
+        return ServingResult(requests=pd.DataFrame(), summary=pd.DataFrame())
+
+    monkeypatch.setattr(datasets, "load_prompt_tokenizer", fake_load)
+    monkeypatch.setattr(serving, "run_serving", fake_run_serving)
+    config = load_config(profile="transformers-cpu")
+    run = types.SimpleNamespace(base_url="http://127.0.0.1:9", engine=get_engine(engine), config=config, api_key=None,
+                                folder=types.SimpleNamespace(write_jsonl=lambda *a, **k: None))
+    STAGES["serving"].run(run, StageResult("serving"))  # type: ignore[arg-type]
+    assert loaded == (["smollm2-135m"] if loads else [])
+    assert handed == [tokenizer if loads else None]
+
+
+def test_random_prompts_decode_to_text_with_smollm2s_tokenizer() -> None:
+    from servegate.bench.datasets import as_text_prompts, load_prompt_tokenizer, sample_random_requests
+    from servegate.errors import ModelUnavailableError
+    from servegate.models import ensure_model
+
+    try:
+        ensure_model("smollm2-135m", allow_fetch=False)
+    except ModelUnavailableError:
+        pytest.skip("SmolLM2 is not cached; run `servegate model fetch --model smollm2-135m`")
+    rows = sample_random_requests(3, 32, 8, 0.5, seed=1)
+    text = as_text_prompts(rows, load_prompt_tokenizer("smollm2-135m"))
+    assert all(isinstance(r.prompt, str) and r.prompt for r in text)
+    assert [(r.prompt_len, r.output_len) for r in text] == [(r.prompt_len, r.output_len) for r in rows]

@@ -12,7 +12,8 @@ import pytest
 
 from servegate.budgets import MEMORY_PROFILES, SGLangBudget
 from servegate.config import REDACTED, WorkerSpec
-from servegate.engines import (EmbeddedEngine, ExternalEngine, SGLangEngine, VLLMEngine, get_engine)
+from servegate.engines import (EmbeddedEngine, ExternalEngine, SGLangEngine, TransformersServeEngine, VLLMEngine,
+                               get_engine)
 from servegate.engines.sglang import parse_server_info
 from servegate.errors import ConfigError
 
@@ -185,16 +186,20 @@ def test_engine_protocols_and_metric_names() -> None:
     assert "SGLANG_ENABLE_METRICS_DEVICE_TIMER=1" in SGLangEngine.metrics_hint
 
 
-CAPABILITIES = ("launches", "can_flush", "has_metrics", "has_occupancy_gauge", "reports_capacity", "has_logprobs")
+CAPABILITIES = ("launches", "can_flush", "has_metrics", "has_occupancy_gauge", "reports_capacity", "has_logprobs",
+                "takes_prompt_batches")
 
 
 @pytest.mark.parametrize("cls,expected", [
-    (SGLangEngine, (True, True, True, True, True, True)),
-    (EmbeddedEngine, (True, True, True, True, True, True)),
+    (SGLangEngine, (True, True, True, True, True, True, True)),
+    (EmbeddedEngine, (True, True, True, True, True, True, True)),
     # vLLM: no fwd_occupancy gauge, no token capacity over HTTP.
-    (VLLMEngine, (True, True, True, False, False, True)),
-    # external: attaches; flush, server info best effort; metric names unknown; echo logprobs not guaranteed.
-    (ExternalEngine, (False, False, False, False, False, False)),
+    (VLLMEngine, (True, True, True, False, False, True, True)),
+    # external: attaches; flush, server info best effort; metric names unknown; echo logprobs not guaranteed;
+    # a list of prompts assumed (as vLLM and SGLang take it; a refusal is a failed one-batch row).
+    (ExternalEngine, (False, False, False, False, False, False, True)),
+    # transformers serve: none of it (tests/unit/test_engine_transformers.py).
+    (TransformersServeEngine, (True, False, False, False, False, False, False)),
 ])
 def test_engine_capabilities(cls: type, expected: tuple[bool, ...]) -> None:
     assert tuple(getattr(cls, name) for name in CAPABILITIES) == expected

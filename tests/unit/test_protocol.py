@@ -1,5 +1,6 @@
 """The wire protocol objects: request bodies, streamed chunks -> events and counts, checked
-token counts, log-probability requests and answers, for SGLang-native and OpenAI (vLLM)."""
+token counts, log-probability requests and answers, for SGLang-native, OpenAI (vLLM) and its
+strict-schema dialect "openai-text" (transformers serve)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import pytest
 from servegate.bench.protocol import (
     NATIVE,
     OPENAI,
+    OPENAI_TEXT,
     PROTOCOLS,
     NativeProtocol,
     OpenAIProtocol,
+    OpenAITextProtocol,
     WireProtocol,
     protocol_for,
     protocol_named,
 )
-from servegate.engines import EmbeddedEngine, ExternalEngine, SGLangEngine, VLLMEngine
+from servegate.engines import EmbeddedEngine, ExternalEngine, SGLangEngine, TransformersServeEngine, VLLMEngine
 from servegate.errors import ConfigError, StageError
 
 pytestmark = pytest.mark.timeout(30)
@@ -27,8 +30,9 @@ pytestmark = pytest.mark.timeout(30)
 # --- which protocol ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("engine,expected", [(SGLangEngine(), NATIVE), (EmbeddedEngine(), NATIVE),
-                                             (VLLMEngine(), OPENAI), (ExternalEngine(), OPENAI)],
-                         ids=["sglang", "embedded", "vllm", "external"])
+                                             (VLLMEngine(), OPENAI), (ExternalEngine(), OPENAI),
+                                             (TransformersServeEngine(), OPENAI_TEXT)],
+                         ids=["sglang", "embedded", "vllm", "external", "transformers"])
 def test_protocol_for_each_engine(engine, expected: WireProtocol) -> None:
     assert protocol_for(engine) is expected
     assert protocol_for(engine).name == engine.protocol  # the engine keeps its name attribute
@@ -36,8 +40,9 @@ def test_protocol_for_each_engine(engine, expected: WireProtocol) -> None:
 
 def test_override_and_unknown_names() -> None:
     assert protocol_for(SGLangEngine(), "openai") is OPENAI  # serving.protocol: OpenAI routes on SGLang
-    assert set(PROTOCOLS) == {"native", "openai"}
-    with pytest.raises(ConfigError, match=r"unknown protocol 'grpc'; choose one of \['native', 'openai'\]"):
+    assert set(PROTOCOLS) == {"native", "openai", "openai-text"}
+    with pytest.raises(ConfigError,
+                       match=r"unknown protocol 'grpc'; choose one of \['native', 'openai', 'openai-text'\]"):
         protocol_named("grpc")
 
 
@@ -241,6 +246,78 @@ def test_greedy_requests_and_answers() -> None:
         OPENAI.greedy_outputs({"choices": [{"logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]}}]}, 1, "a")
 
 
-def test_protocol_objects_are_the_only_two() -> None:
+def test_protocol_objects_are_the_only_three() -> None:
     assert isinstance(NATIVE, NativeProtocol) and isinstance(OPENAI, OpenAIProtocol)
-    assert {type(p) for p in PROTOCOLS.values()} == {NativeProtocol, OpenAIProtocol}
+    assert isinstance(OPENAI_TEXT, OpenAITextProtocol)
+    assert {type(p) for p in PROTOCOLS.values()} == {NativeProtocol, OpenAIProtocol, OpenAITextProtocol}
+    assert [p.name for p in PROTOCOLS.values() if p.needs_text_prompts] == ["openai-text"]
+
+
+# --- openai-text: OpenAI's schema strictly (transformers serve) -------------------------------------
+
+def test_openai_text_body_has_a_text_prompt_and_no_ignore_eos() -> None:
+    # transformers serve 5.23: ignore_eos is 422 "Unexpected fields", a token-id prompt or a list 400.
+    body = OPENAI_TEXT.body("hello there", 16, model="servegate/smollm2-135m", stream=True)
+    assert body == {"model": "servegate/smollm2-135m", "prompt": "hello there", "max_tokens": 16,
+                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    # Asked for ignore_eos (serving's default) or not (warmup's None): never sent.
+    assert "ignore_eos" not in OPENAI_TEXT.body("hi", 4, model="m", stream=None, ignore_eos=True)
+    assert OPENAI_TEXT.body("hi", 4, model="m", stream=None, ignore_eos=None) == {
+        "model": "m", "prompt": "hi", "max_tokens": 4, "temperature": 0.0}
+    with pytest.raises(ConfigError, match="text prompts only.*as_text_prompts"):
+        OPENAI_TEXT.body([101, 102], 4, model="m", stream=True)
+    with pytest.raises(ConfigError, match="one prompt per request.*takes_prompt_batches"):
+        OPENAI_TEXT.body(["a", "b"], 4, model="m", stream=True)
+    with pytest.raises(ConfigError, match="takes_prompt_batches"):
+        OPENAI_TEXT.batch_tally(2, 4)
+    with pytest.raises(ConfigError, match="needs the served model's name"):
+        OPENAI_TEXT.body("hi", 8, stream=True)
+    assert OPENAI_TEXT.url("http://h:1") == "http://h:1/v1/completions" and OPENAI_TEXT.needs_model
+
+
+def _transformers_chunk(text: str) -> bytes:
+    # transformers serve dumps chunks with exclude_none: a token chunk has no finish_reason key at all.
+    return _sse({"id": "req-1", "object": "text_completion", "created": 1, "model": "m",
+                 "choices": [{"text": text, "index": 0}]})
+
+
+def _transformers_finish(completion: int, reason: str = "length") -> bytes:
+    return _sse({"id": "req-1", "object": "text_completion", "created": 1, "model": "m",
+                 "choices": [{"text": "", "index": 0, "finish_reason": reason}],
+                 "usage": {"prompt_tokens": 9, "completion_tokens": completion, "total_tokens": 9 + completion}})
+
+
+def test_openai_text_stream_ends_at_the_finish_chunk_with_usage() -> None:
+    stream = OPENAI_TEXT.token_stream()
+    assert not stream.feed(_transformers_chunk(" a") + _transformers_chunk(" b"), 1.0)
+    assert not stream.feed(_transformers_chunk(" c"), 2.0)
+    assert stream.feed(_transformers_finish(3), 3.0)  # no [DONE] follows: the finish chunk ends it
+    assert stream.done and stream.end_ts == 3.0
+    assert stream.counts == [1, 2, 3] and stream.times == [1.0, 1.0, 2.0]
+    assert stream.output_tokens == 3 and stream.final_prompt_tokens() == 9
+    # Without ignore_eos the output is *up to* max_tokens: fewer is a measurement, more a lie.
+    assert stream.count_error(16) is None and stream.count_error(3) is None
+    assert "reported 3 completion tokens" in stream.count_error(2)
+
+
+def test_openai_text_stream_ended_by_eos_or_done_and_cut_streams() -> None:
+    eos = OPENAI_TEXT.token_stream()
+    eos.feed(_transformers_chunk(" a"), 1.0)
+    assert eos.feed(_transformers_finish(1, "stop"), 2.0) and eos.count_error(16) is None
+    # A [DONE] that does come (a server that sends it) ends the stream too.
+    done = OPENAI_TEXT.token_stream()
+    done.feed(_openai_chunk("a", None) + _openai_chunk("", None, "length"), 1.0)
+    assert done.feed(b"data: [DONE]\n\n", 2.0) and done.output_tokens == 1
+    # Cut before the finish chunk: not done (serving makes it a failed request, error_kind "stream").
+    cut = OPENAI_TEXT.token_stream()
+    assert not cut.feed(_transformers_chunk(" a") + _transformers_chunk(" b"), 1.0)
+    cut.close()
+    assert not cut.done
+    # An error chunk (transformers serve's {"error": ...}) fails the request.
+    broken = OPENAI_TEXT.token_stream()
+    with pytest.raises(StageError, match="server reported an error in the stream: CUDA out of memory"):
+        broken.feed(_sse({"error": "CUDA out of memory"}), 1.0)
+    # The plain OpenAI stream still waits for [DONE] after the same finish chunk.
+    plain = OPENAI.token_stream()
+    plain.feed(_transformers_chunk(" a"), 1.0)
+    assert not plain.feed(_transformers_finish(1), 2.0)
