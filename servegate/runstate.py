@@ -216,6 +216,7 @@ class GateRun:
             if self.overrun is not None and not self.closed:
                 raise DeadlineError(self.overrun)
             yield result
+            result.complete = True  # the measurement ended; a worker found dead now taints it, it is not partial
             self.check_worker(stage)
         except Exception as exc:
             result.status, result.error = "failed", self._describe_failure(stage, exc)
@@ -229,14 +230,17 @@ class GateRun:
             self._keep(result)
 
     def _keep(self, result: StageResult) -> None:
-        """Write the result's tables (``.partial`` when it failed) and its record, at once."""
+        """Write the result's tables and its record, at once. A stage that failed before its
+        measurement ended keeps what it had as ``<table>.partial`` (on disk, never validated); one
+        whose measurement ended but whose worker was then found dead keeps its tables (recorded and
+        validated, the verdict inconclusive all the same: the breaches are listed, not trusted)."""
         for name, df in result.tables.items():
-            if result.ok:
+            if result.ok or result.complete:
                 self.folder.write_table(name, df)
             elif df is not None and not df.empty:
                 self.folder.write_table(f"{name}.partial", df)
-        if not result.ok:
-            result.tables = {}  # what a failed stage measured is kept on disk, never validated
+        if not (result.ok or result.complete):
+            result.tables = {}
         record = result.record()
         self._records[record.stage] = record
         self.folder.write_json("stages", {name: r.model_dump(mode="json", exclude={"started_at"})

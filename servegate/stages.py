@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from servegate.results import StageRecord
     from servegate.runstate import GateRun
 
-__all__ = ["StageSpec", "StageResult", "STAGES", "MEASUREMENT_STAGES", "RERUNNABLE", "Status", "spec"]
+__all__ = ["StageSpec", "StageResult", "STAGES", "MEASUREMENT_STAGES", "RERUNNABLE", "Status", "spec", "tables_of"]
 
 Status = Literal["ok", "failed", "skipped", "not_applicable"]
 
@@ -47,6 +47,8 @@ class StageResult:
     duration_s: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
     """What a later step needs besides tables (e.g. compare's calibration summary, launch's URL)."""
+    complete: bool = False
+    """The measurement ran to its end (its tables are whole), even if the stage then failed."""
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
@@ -57,7 +59,7 @@ class StageResult:
         """The run folder's record of this stage (``stages.json``, the manifest)."""
         from servegate.results import StageRecord
 
-        tables = sorted(self.tables) if self.ok else []
+        tables = sorted(self.tables) if self.ok or self.complete else []
         return StageRecord(stage=self.stage, status=self.status, error=self.error,
                            duration_s=round(self.duration_s, 3), tables=tables)
 
@@ -65,7 +67,12 @@ class StageResult:
     def from_record(cls, record: "StageRecord", tables: dict[str, pd.DataFrame]) -> "StageResult":
         """A stage an earlier attempt measured, taken as it was (``servegate rerun``)."""
         return cls(stage=record.stage, status=record.status, tables=dict(tables), error=record.error,
-                   duration_s=float(record.duration_s or 0.0))
+                   duration_s=float(record.duration_s or 0.0), complete=True)
+
+
+def tables_of(results: "list[StageResult]") -> dict[str, pd.DataFrame]:
+    """Every table the results hold (a stage that failed mid-measurement holds none)."""
+    return {name: df for r in results for name, df in r.tables.items()}
 
 
 RunFunction = Callable[["GateRun", StageResult], None]

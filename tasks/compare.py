@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from servegate.runstate import GateRun
-from servegate.stages import StageResult
+from servegate.stages import StageResult, tables_of
 from servegate.tasks._artifacts import publish, table_markdown
 from servegate.tasks._stage import as_state
 
@@ -24,7 +24,7 @@ def compare(run: GateRun, measured: list[StageResult]) -> StageResult | State:
     from servegate.compare import compare_run
     from servegate.history import GateKey, Store
 
-    tables = {name: df for r in measured if r.ok for name, df in r.tables.items()}
+    tables = tables_of(measured)
     with run.stage(STAGE) as result:
         policy = BaselinePolicy(kind=cfg.policy, n=cfg.n, branch=cfg.branch, days=cfg.days)
         key = GateKey.from_run(run.folder.manifest.model_dump(mode="json"), run.config_snapshot())

@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from servegate.errors import ServegateError
 from servegate.runstate import GateRun
-from servegate.stages import StageResult
+from servegate.stages import StageResult, tables_of
 from servegate.report import write_junit, write_markdown_summary, write_report
 from servegate.history import GateKey, Store
 from servegate.tasks._artifacts import publish
@@ -46,7 +46,7 @@ def record(run: GateRun, results: list[StageResult], validation: StageResult, ve
     not raised, so the caller's exit code says it.
     """
     outcomes = [o.model_dump(mode="json") for o in (validation.notes.get("outcomes") or [])]
-    tables = {name: df for r in results if r.ok for name, df in r.tables.items()}
+    tables = tables_of(results)
     manifest = run.folder.manifest.model_dump(mode="json")
     key = GateKey.from_run(manifest, run.config_snapshot())
     run_id = None

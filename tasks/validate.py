@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from servegate.runstate import GateRun
-from servegate.stages import StageResult
+from servegate.stages import StageResult, tables_of
 from servegate.tasks._stage import as_state
 
 
@@ -19,7 +19,7 @@ def validate(run: GateRun, results: list[StageResult]) -> StageResult | State:
     from servegate.validate import validate_tables
 
     cfg = run.config.validate_
-    tables = {name: df for r in results if r.ok for name, df in r.tables.items()}
+    tables = tables_of(results)
     with run.stage("validate") as result:
         outcomes = validate_tables(tables, cfg.expectation_profile,
                                    Path(cfg.expectations_dir) if cfg.expectations_dir else None)
