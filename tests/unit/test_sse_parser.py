@@ -58,13 +58,13 @@ def test_multi_line_data_no_space_and_an_unterminated_last_event() -> None:
     assert _feed_all([b"id: 4\nretry: 10\n\n"]) == []
 
 
-def test_native_completion_tokens_reads_the_counter_without_decoding() -> None:
+def test_last_completion_tokens_reads_the_counter_without_decoding() -> None:
     chunk = orjson.dumps({"text": 'say "completion_tokens": 99', "output_ids": [5, 6, 7],
                           "meta_info": {"prompt_tokens": 12, "completion_tokens": 3}})
-    assert proto.native_completion_tokens(chunk) == 3  # the key inside the text is escaped
-    assert proto.native_completion_tokens(b'{"meta_info": {"completion_tokens" :4}}') is None  # not this spelling
-    assert proto.native_completion_tokens(b'{"meta_info": {"completion_tokens": 17}}') == 17
-    assert proto.native_completion_tokens(b'{"error": {"message": "boom"}}') is None
+    assert proto.last_completion_tokens(chunk) == 3  # the key inside the text is escaped
+    assert proto.last_completion_tokens(b'{"meta_info": {"completion_tokens" :4}}') is None  # not this spelling
+    assert proto.last_completion_tokens(b'{"meta_info": {"completion_tokens": 17}}') == 17
+    assert proto.last_completion_tokens(b'{"error": {"message": "boom"}}') is None
 
 
 def test_parse_sse_payload() -> None:

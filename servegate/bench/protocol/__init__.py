@@ -27,12 +27,12 @@ from servegate.bench.protocol.base import (
     TokenStream,
     WireProtocol,
     check_count_within,
+    last_completion_tokens,
 )
 from servegate.bench.protocol.native import (
     GENERATE_PATH,
     NativeCountCheck,
     NativeProtocol,
-    native_completion_tokens,
     native_event,
     native_generate_body,
     native_output_id_count,
@@ -76,7 +76,7 @@ __all__ = [
     "parse_sse_payload",
     "native_generate_body",
     "native_event",
-    "native_completion_tokens",
+    "last_completion_tokens",
     "native_output_id_count",
     "openai_completions_body",
     "openai_events",

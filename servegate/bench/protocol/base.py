@@ -17,6 +17,7 @@ report more completion tokens than the request asked for. The others are the pro
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,7 +35,27 @@ __all__ = [
     "BatchTally",
     "check_count_within",
     "chunk_error",
+    "last_completion_tokens",
 ]
+
+_COMPLETION_KEY = b'"completion_tokens":'
+_INT_AFTER_KEY = re.compile(rb"\s*(\d+)")
+
+
+def last_completion_tokens(payload: bytes) -> int | None:
+    """The last ``"completion_tokens":`` counter of a stream chunk, read at the bytes level (SGLang's
+    ``meta_info`` or OpenAI's ``usage``: both protocols spell it alike).
+
+    The key cannot occur inside a JSON string (its quotes would be escaped), so the last match is
+    the server's counter. None when the chunk has none (an error chunk, a server that does not
+    send it, another spacing): the caller then decodes the chunk.
+    """
+    k = payload.rfind(_COMPLETION_KEY)
+    if k < 0:
+        return None
+    m = _INT_AFTER_KEY.match(payload, k + len(_COMPLETION_KEY))
+    return int(m.group(1)) if m else None
+
 
 Prompt = list[int] | str
 """One prompt: token ids (no tokenizer needed on the client) or text."""

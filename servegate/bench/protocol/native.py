@@ -15,14 +15,13 @@ per chunk. A count that goes down within a stream is rejected too.
 
 SGLang streams the cumulative ``text`` and ``output_ids`` in every chunk, so decoding each
 chunk costs O(tokens so far): the serving load generator's ``NativeTokenStream`` reads only
-the counter (``native_completion_tokens``) and, while they matter, the ids
+the counter (``base.last_completion_tokens``) and, while they matter, the ids
 (``native_output_id_count``), at the bytes level, and decodes only the last chunk in full.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Final
 
@@ -34,6 +33,7 @@ from servegate.bench.protocol.base import (
     WireProtocol,
     check_count_within,
     chunk_error,
+    last_completion_tokens,
 )
 from servegate.bench.protocol.sse import SSE_DONE, parse_sse_payload
 from servegate.errors import StageError
@@ -46,15 +46,11 @@ __all__ = [
     "NativeCountCheck",
     "native_generate_body",
     "native_event",
-    "native_completion_tokens",
     "native_output_id_count",
 ]
 
 GENERATE_PATH: Final = "/generate"
 
-_COMPLETION_KEY: Final = b'"completion_tokens":'
-_COMPLETION_KEY_LEN: Final = len(_COMPLETION_KEY)
-_INT_AFTER_KEY: Final = re.compile(rb"\s*(\d+)")
 _IDS_KEY: Final = b'"output_ids":'
 
 
@@ -101,20 +97,6 @@ def native_event(data: dict[str, Any]) -> StreamEvent:
         )
     except (AttributeError, TypeError, ValueError) as exc:
         raise StageError(f"malformed /generate stream chunk ({exc}): {str(data)[:200]}") from exc
-
-
-def native_completion_tokens(payload: bytes) -> int | None:
-    """The cumulative ``completion_tokens`` of a ``/generate`` chunk, read at the bytes level.
-
-    The key cannot occur inside a JSON string (its quotes would be escaped), so the last match
-    is ``meta_info``'s. None when the chunk has no such counter (an error chunk, or a server
-    that does not send it): the caller then decodes the chunk (``native_event``).
-    """
-    k = payload.rfind(_COMPLETION_KEY)
-    if k < 0:
-        return None
-    m = _INT_AFTER_KEY.match(payload, k + _COMPLETION_KEY_LEN)
-    return int(m.group(1)) if m else None
 
 
 def native_output_id_count(payload: bytes) -> int | None:
@@ -201,9 +183,9 @@ class NativeTokenStream(TokenStream):
             if payload == b"[DONE]":
                 self.done = True
                 break
-            k = payload.rfind(_COMPLETION_KEY)
-            m = _INT_AFTER_KEY.match(payload, k + _COMPLETION_KEY_LEN) if k >= 0 else None
-            new_count = int(m.group(1)) if m else self._decoded_count(payload, count)
+            new_count = last_completion_tokens(payload)
+            if new_count is None:
+                new_count = self._decoded_count(payload, count)
             if self.ids.wants_ids:
                 self.ids.chunk(new_count, native_output_id_count(payload))
             self.last_payload = payload

@@ -29,7 +29,6 @@ text with the model's tokenizer before any clock starts (``needs_text_prompts``;
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Final
 
@@ -44,6 +43,7 @@ from servegate.bench.protocol.base import (
     WireProtocol,
     check_count_within,
     chunk_error,
+    last_completion_tokens,
 )
 from servegate.bench.protocol.sse import SSE_DONE, parse_sse_payload
 from servegate.errors import ConfigError, StageError
@@ -63,9 +63,6 @@ __all__ = [
 
 COMPLETIONS_PATH: Final = "/v1/completions"
 
-_COMPLETION_KEY: Final = b'"completion_tokens":'
-_COMPLETION_KEY_LEN: Final = len(_COMPLETION_KEY)
-_INT_AFTER_KEY: Final = re.compile(rb"\s*(\d+)")
 # A chunk with exactly one unfinished choice (compact JSON, as vLLM and SGLang send).
 # Neither key can occur inside a JSON string (its quotes would be escaped).
 _TOKEN_CHUNK: Final = b'"finish_reason":null'
@@ -161,10 +158,9 @@ class OpenAITokenStream(TokenStream):
             if _TOKEN_CHUNK in payload and payload.count(_FINISH_KEY) == 1:
                 # One choice, not finished: a token chunk; its count is the cumulative usage
                 # when the server sends one, else one more. Read without decoding the chunk.
-                k = payload.rfind(_COMPLETION_KEY)
-                m = _INT_AFTER_KEY.match(payload, k + _COMPLETION_KEY_LEN) if k >= 0 else None
-                if m:
-                    new_count = int(m.group(1))
+                reported = last_completion_tokens(payload)
+                if reported is not None:
+                    new_count = reported
                     self.chunk_usage = True
                 else:
                     new_count = count + 1
