@@ -32,16 +32,23 @@ def stdout_json(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout[start:])
 
 
-def worker_processes(tmp_path: Path) -> list[psutil.Process]:
-    """Live embedded workers started by this test's gates (they inherit its SERVEGATE_DB)."""
+def marked_processes(tmp_path: Path, *words: str) -> list[psutil.Process]:
+    """Live processes (not zombies) started by this test's gates — they inherit its SERVEGATE_DB —
+    whose command line holds every one of ``words`` (none: all of them)."""
     marker = str(tmp_path / "history.db")
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "servegate" in cmd and "worker" in cmd:
-            try:
-                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
+        if p.pid == os.getpid() or not all(w in cmd for w in words):
+            continue
+        try:
+            if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return found
+
+
+def worker_processes(tmp_path: Path) -> list[psutil.Process]:
+    """Live embedded workers started by this test's gates."""
+    return marked_processes(tmp_path, "servegate", "worker")

@@ -12,7 +12,6 @@ Every scenario ends with the same four checks (docs/faults.md has the table):
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # the e2e tests' helpers
+from e2eutil import REPO, gate_env, marked_processes  # noqa: E402,F401  (re-used by the fault tests)
 
 # The tiny random-weight model with every forward pass delayed, so that each stage lasts long
 # enough (seconds) to be hit in the middle; quality needs a real model, so it is off.
@@ -44,37 +44,12 @@ SLOW_TINY = [
 ]
 
 
-def gate_env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["SERVEGATE_DB"] = str(tmp_path / "history.db")  # this scenario's history; marks its processes
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    env["HF_HUB_OFFLINE"] = "1"
-    env.pop("PREFECT_API_URL", None)
-    env.pop("SERVEGATE_DEVICE_SLOT", None)
-    return env
-
-
 def start_gate(tmp_path: Path, *args: str) -> subprocess.Popen:
     """`servegate run` in a session of its own (so that its whole group can be killed, as CI does)."""
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *SLOW_TINY, *args]
     return subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-
-
-def marked_processes(tmp_path: Path) -> list[psutil.Process]:
-    """Live processes (not zombies) that belong to this scenario's gate."""
-    marker = str(tmp_path / "history.db")
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.pid != os.getpid() and p.environ().get("SERVEGATE_DB") == marker and \
-                    p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 def survivors(tmp_path: Path, within_s: float) -> list[str]:

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # the e2e tests' helpers
-from e2eutil import REPO, gate_env, stdout_json  # noqa: E402
+from e2eutil import REPO, gate_env, marked_processes, stdout_json  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -54,20 +53,6 @@ def _skip_or_fail(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI=true but {reason}")
     pytest.skip(reason)
-
-
-def served_by_this_test(marker: str) -> list[psutil.Process]:
-    """Live ``transformers serve`` processes started by a gate of this test (they inherit its SERVEGATE_DB)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "transformers.cli.transformers" in cmd and "serve" in cmd:
-            try:
-                if p.environ().get("SERVEGATE_DB") == marker and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-    return found
 
 
 class GateRun:
@@ -121,7 +106,7 @@ def test_launch_warmup_and_capabilities(gate: GateRun) -> None:
 
 
 def test_no_server_survives_the_gate(gate: GateRun) -> None:
-    leftover = served_by_this_test(str(gate.tmp / "history.db"))
+    leftover = marked_processes(gate.tmp, "transformers.cli.transformers", "serve")
     for p in leftover:
         p.kill()
     assert not leftover, f"transformers serve survived the gate: {[p.pid for p in leftover]}"
