@@ -170,29 +170,6 @@ GATE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sigterm_to_the_gate_ends_the_worker_tree(tmp_path: Path) -> None:
-    script = GATE_SCRIPT.format(tests_dir=str(Path(__file__).parent), out=str(tmp_path))
-    gate = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "worker_pid").exists():
-            assert gate.poll() is None, gate.stdout.read().decode() if gate.stdout else ""
-            assert time.monotonic() < deadline, "gate did not launch its worker"
-            time.sleep(0.05)
-        worker = int((tmp_path / "worker_pid").read_text())
-        others = [int(x) for x in (tmp_path / "pids").read_text().split()]
-        gate.send_signal(signal.SIGTERM)
-        assert gate.wait(timeout=30) == 128 + signal.SIGTERM
-        for pid in (worker, *others):
-            assert _gone(pid), f"pid {pid} survived the gate's SIGTERM"
-    finally:
-        if gate.poll() is None:
-            terminate_tree(gate.pid, timeout_s=5)
-            gate.wait(timeout=5)
-        if gate.stdout:
-            gate.stdout.close()
-
-
 def _start_gate(tmp_path: Path, **popen: object) -> tuple[subprocess.Popen, list[int]]:
     """The gate script with its worker up: the gate process and the worker tree's pids."""
     script = GATE_SCRIPT.format(tests_dir=str(Path(__file__).parent), out=str(tmp_path))
@@ -205,6 +182,21 @@ def _start_gate(tmp_path: Path, **popen: object) -> tuple[subprocess.Popen, list
         time.sleep(0.05)
     worker = int((tmp_path / "worker_pid").read_text())
     return gate, [worker, *(int(x) for x in (tmp_path / "pids").read_text().split())]
+
+
+def test_sigterm_to_the_gate_ends_the_worker_tree(tmp_path: Path) -> None:
+    gate, pids = _start_gate(tmp_path)
+    try:
+        gate.send_signal(signal.SIGTERM)
+        assert gate.wait(timeout=30) == 128 + signal.SIGTERM
+        for pid in pids:
+            assert _gone(pid), f"pid {pid} survived the gate's SIGTERM"
+    finally:
+        if gate.poll() is None:
+            terminate_tree(gate.pid, timeout_s=5)
+            gate.wait(timeout=5)
+        if gate.stdout:
+            gate.stdout.close()
 
 
 def _all_gone_within(pids: list[int], timeout_s: float) -> list[int]:
