@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 from fastapi import Request as HttpRequest
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from servegate.errors import ConfigError, InfraError
 from servegate.worker.faults import FaultConfig
@@ -147,6 +147,16 @@ class RequestPlumbing:
             for r in reqs:
                 scheduler.abort(r)
             raise
+
+    async def finished_or_error(self, scheduler: Scheduler, reqs: list[Request], waiter: _Waiter) -> Response | None:
+        """Wait for every request; the 500 answer for the first that the engine aborted, else None."""
+        await self.wait_all(scheduler, reqs, waiter)
+        errors = [m for m in (self.failed(r) for r in reqs) if m]
+        return self.error(errors[0], 500) if errors else None
+
+    def streamed(self, scheduler: Scheduler, reqs: list[Request], waiter: _Waiter, render: Any) -> Response:
+        """An SSE response of ``render``ed chunks as tokens arrive (``stream_chunks``)."""
+        return StreamingResponse(self.stream_chunks(scheduler, reqs, waiter, render), media_type="text/event-stream")
 
     async def stream_chunks(self, scheduler: Scheduler, reqs: list[Request], waiter: _Waiter,
                             render: Any, done_line: bool = True) -> AsyncIterator[bytes]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from servegate.errors import ConfigError
 from servegate.worker.http_plumbing import RequestPlumbing
@@ -149,13 +149,10 @@ def register_openai_routes(app: FastAPI, plumbing: RequestPlumbing) -> None:
                                          "model": model, "choices": [], "usage": _usage(reqs)})
                 return out
 
-            return StreamingResponse(plumbing.stream_chunks(scheduler, reqs, waiter, render),
-                                     media_type="text/event-stream")
+            return plumbing.streamed(scheduler, reqs, waiter, render)
 
-        await plumbing.wait_all(scheduler, reqs, waiter)
-        errors = [m for m in (plumbing.failed(r) for r in reqs) if m]
-        if errors:
-            return plumbing.error(errors[0], 500)
+        if (failure := await plumbing.finished_or_error(scheduler, reqs, waiter)) is not None:
+            return failure
         if chat:
             choices = [{"index": i, "message": {"role": "assistant",
                                                 "content": plumbing.text_of(r, list(r.output_ids))},

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from servegate.errors import ConfigError
 from servegate.worker.http_plumbing import RequestPlumbing, WorkerState
@@ -176,13 +176,10 @@ def build_app(state: WorkerState) -> FastAPI:
             def render(req: Request, index: int, _sent: int) -> bytes:
                 return plumbing.sse(result_of(req, index if batched else None))
 
-            return StreamingResponse(plumbing.stream_chunks(scheduler, reqs, waiter, render),
-                                     media_type="text/event-stream")
+            return plumbing.streamed(scheduler, reqs, waiter, render)
 
-        await plumbing.wait_all(scheduler, reqs, waiter)
-        errors = [m for m in (plumbing.failed(r) for r in reqs) if m]
-        if errors:
-            return plumbing.error(errors[0], 500)
+        if (failure := await plumbing.finished_or_error(scheduler, reqs, waiter)) is not None:
+            return failure
         results = [result_of(r, None) for r in reqs]
         return plumbing.json(results if batched else results[0])
 
