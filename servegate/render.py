@@ -1,8 +1,7 @@
 """Verdicts and untrusted text for people: the terminal table, the Markdown artifact.
 
-:mod:`servegate.verdict` decides; this module shows. It imports nothing of servegate at run
-time, so the verdict can word its messages with :func:`observed_text`; :mod:`servegate.report`
-builds the HTML report, JUnit and CI summary on the same text helpers.
+:mod:`servegate.verdict` decides (and words an observed value, :func:`observed_text`, for its
+messages and for these renderers); this module shows. :mod:`servegate.report` builds the HTML report, JUnit and CI summary on the same text helpers.
 
 Breaches and infra errors carry text a server wrote (an error body, a model name). Rendered as
 is, it could inject HTML into a Prefect artifact or CI summary, break a Markdown table, or send
@@ -16,10 +15,9 @@ import html
 import math
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from servegate.verdict import Verdict
+from servegate.verdict import Verdict, observed_text
 
 __all__ = [
     "calibration_text",
@@ -27,7 +25,6 @@ __all__ = [
     "markdown_cell",
     "markdown_code",
     "markdown_text",
-    "observed_text",
     "percent_text",
     "terminal_text",
     "verdict_markdown",
@@ -77,19 +74,6 @@ def _cell(value: Any, width: int = 40) -> str:
     text = "-" if value is None else str(value)
     text = " ".join(_CONTROL_RE.sub(" ", text).split())
     return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def observed_text(observed: Any) -> str:
-    """A breach's observed value for people: the value, or '1 of 3 rows: ['failed']'."""
-    if isinstance(observed, dict) and "unexpected_count" in observed:
-        values = observed.get("unexpected_values") or []
-        return (f"{observed['unexpected_count']} of {observed.get('element_count')} rows"
-                + (f": {values}" if values else ""))
-    if isinstance(observed, dict) and "missing_values" in observed:
-        return f"missing {observed['missing_values']}"
-    if isinstance(observed, float):
-        return f"{observed:.6g}"
-    return "-" if observed is None else str(observed)
 
 
 def _grid(headers: list[str], rows: list[list[str]]) -> str:

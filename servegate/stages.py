@@ -19,15 +19,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import pandas as pd
 
 from servegate.tables import TABLE_STAGE
 
 if TYPE_CHECKING:  # pragma: no cover
-    from servegate.results import StageRecord
-    from servegate.runstate import GateRun
+    from pathlib import Path
+
+    from servegate.config import GateConfig
+    from servegate.engines.base import Engine
+    from servegate.launch import WorkerHandle
+    from servegate.results import RunFolder, StageRecord
 
 __all__ = ["StageSpec", "StageResult", "STAGES", "MEASUREMENT_STAGES", "RERUNNABLE", "Status", "spec", "tables_of"]
 
@@ -75,7 +79,26 @@ def tables_of(results: "list[StageResult]") -> dict[str, pd.DataFrame]:
     return {name: df for r in results for name, df in r.tables.items()}
 
 
-RunFunction = Callable[["GateRun", StageResult], None]
+class RunContext(Protocol):
+    """What a run function uses of its gate run (``servegate.runstate.GateRun`` is one): declared
+    here so that the registry does not depend on the run state, which depends on it."""
+
+    config: "GateConfig"
+    folder: "RunFolder"
+    engine: "Engine"
+    worker: "WorkerHandle | None"
+
+    @property
+    def path(self) -> "Path": ...
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+
+RunFunction = Callable[[RunContext, StageResult], None]
 
 
 @dataclass(frozen=True)
@@ -107,20 +130,20 @@ class StageSpec:
 # Each imports its measurement lazily: building the registry (every CLI start, every task module)
 # must not import torch, scipy or GX.
 
-def _launch(run: "GateRun", result: StageResult) -> None:
+def _launch(run: RunContext, result: StageResult) -> None:
     from servegate.launch import launch_worker
 
     run.worker = launch_worker(run.config.worker, run.path / "worker.log")
     result.notes["base_url"] = run.worker.base_url
 
 
-def _warmup(run: "GateRun", result: StageResult) -> None:
+def _warmup(run: RunContext, result: StageResult) -> None:
     from servegate.bench.warmup import run_warmup
 
     result.notes["requests"] = run_warmup(run.base_url, run.engine, run.config.warmup, api_key=run.api_key)
 
 
-def _one_batch(run: "GateRun", result: StageResult) -> None:
+def _one_batch(run: RunContext, result: StageResult) -> None:
     cfg = run.config.one_batch
     if cfg.mode == "offline":
         from servegate.bench.offline import run_offline_one_batch
@@ -135,7 +158,7 @@ def _one_batch(run: "GateRun", result: StageResult) -> None:
     run.folder.write_jsonl("one_batch", table.to_dict(orient="records"))
 
 
-def _serving(run: "GateRun", result: StageResult) -> None:
+def _serving(run: RunContext, result: StageResult) -> None:
     from servegate.bench.datasets import load_prompt_tokenizer
     from servegate.bench.protocol import protocol_for
     from servegate.bench.serving import run_serving
@@ -149,7 +172,7 @@ def _serving(run: "GateRun", result: StageResult) -> None:
     run.folder.write_jsonl("serving", out.summary.to_dict(orient="records"))
 
 
-def _occupancy(run: "GateRun", result: StageResult) -> None:
+def _occupancy(run: RunContext, result: StageResult) -> None:
     from servegate.bench.occupancy import run_occupancy
 
     out = run_occupancy(run.base_url, run.engine, run.config.occupancy, api_key=run.api_key, partial=result.tables)
@@ -158,7 +181,7 @@ def _occupancy(run: "GateRun", result: StageResult) -> None:
     result.tables.update(occupancy_samples=out.samples, occupancy_summary=out.summary)
 
 
-def _quality(run: "GateRun", result: StageResult) -> None:
+def _quality(run: RunContext, result: StageResult) -> None:
     from servegate.bench.quality import run_quality
 
     out = run_quality(run.base_url, run.engine, run.config.quality, api_key=run.api_key,
@@ -167,7 +190,7 @@ def _quality(run: "GateRun", result: StageResult) -> None:
                          quality_agreement=out.agreement, quality_agreement_rows=out.agreement_rows)
 
 
-def _flush(run: "GateRun", result: StageResult) -> None:
+def _flush(run: RunContext, result: StageResult) -> None:
     from servegate.bench.flush import flush_until_idle
 
     result.notes["waited_s"] = flush_until_idle(run.base_url, run.engine, run.config.flush, api_key=run.api_key)

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from servegate.render import observed_text
 from servegate.tables import TABLE_STAGE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,6 +43,7 @@ __all__ = [
     "VerdictSummary",
     "Verdict",
     "decide_verdict",
+    "observed_text",
 ]
 
 VERDICT_SCHEMA_VERSION = "1"
@@ -126,6 +126,19 @@ def _breach(o: ExpectationOutcome) -> Breach:
                   allowed=o.allowed, source=None if source is None else str(source))
 
 
+def observed_text(observed: Any) -> str:
+    """A breach's observed value for people: the value, or '1 of 3 rows: ['failed']'."""
+    if isinstance(observed, dict) and "unexpected_count" in observed:
+        values = observed.get("unexpected_values") or []
+        return (f"{observed['unexpected_count']} of {observed.get('element_count')} rows"
+                + (f": {values}" if values else ""))
+    if isinstance(observed, dict) and "missing_values" in observed:
+        return f"missing {observed['missing_values']}"
+    if isinstance(observed, float):
+        return f"{observed:.6g}"
+    return "-" if observed is None else str(observed)
+
+
 def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
            stage_status: dict[str, str] | None = None) -> Verdict:
     """Decide pass / fail / inconclusive by the rule in this module's docstring.
@@ -193,19 +206,3 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
                    not_validated=missing_tables, not_applicable=[*exempt, *inapplicable], summary=summary,
                    baseline_eligible=eligible)
 
-
-# Transitional: names that moved (``decide`` is :func:`decide_verdict`, the renderers are in
-# servegate.render) for code that still imports them from here (tasks/verdict.py); remove once
-# it imports the new names.
-_MOVED = ("calibration_text", "format_verdict_table", "markdown_cell", "markdown_code", "markdown_text",
-          "percent_text", "terminal_text", "verdict_markdown")
-
-
-def __getattr__(name: str) -> Any:
-    if name == "decide":
-        return decide_verdict
-    if name in _MOVED:
-        import servegate.render
-
-        return getattr(servegate.render, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
