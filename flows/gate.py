@@ -1,4 +1,4 @@
-"""The regression gate: launch -> warmup -> (flush -> measure)* -> compare -> validate -> verdict -> record.
+"""The regression gate: launch -> warmup -> (flush -> measure)* -> paired -> compare -> validate -> verdict -> record.
 
 Deployment entrypoint: ``flows/gate.py:regression_gate``. ``measure_and_decide`` is the body the
 gate and the re-run flow share: each task returns its stage's result and the flow passes the
@@ -14,13 +14,14 @@ from prefect import flow
 
 from servegate.config import GateConfig
 from servegate.runstate import GateRun, resolve_config
-from servegate.stages import MEASUREMENT_STAGES, STAGES, StageResult
+from servegate.stages import MEASUREMENT_STAGES, STAGES, StageResult, spec
 from servegate.tasks._stage import outcome
 from servegate.tasks.compare import compare
 from servegate.tasks.flush import flush
 from servegate.tasks.launch import launch
 from servegate.tasks.occupancy import occupancy
 from servegate.tasks.one_batch import one_batch
+from servegate.tasks.paired import paired
 from servegate.tasks.quality import quality
 from servegate.tasks.record import Recorded, record
 from servegate.tasks.serving import serving
@@ -28,7 +29,7 @@ from servegate.tasks.validate import validate
 from servegate.tasks.verdict import verdict
 from servegate.tasks.warmup import warmup
 
-MEASURE_TASKS = {t.name: t for t in (one_batch, serving, occupancy, quality)}
+MEASURE_TASKS = {t.name: t for t in (one_batch, serving, occupancy, quality, paired)}
 if set(MEASURE_TASKS) != set(MEASUREMENT_STAGES) or {"launch", "warmup"} | set(MEASURE_TASKS) != set(STAGES):
     raise ImportError(f"servegate.stages declares {list(STAGES)} but the flow has tasks for "
                       f"{['launch', 'warmup', *MEASURE_TASKS]}")
@@ -40,17 +41,28 @@ def measure_and_decide(run: GateRun, stages: Sequence[str] = MEASUREMENT_STAGES,
     compare, validate, decide and record. Stage failures are in their results (inconclusive, never
     pass); an interrupt propagates after the worker's tree is ended."""
     results = list(carried)
+    on_gate_worker = [s for s in MEASUREMENT_STAGES if s in stages and spec(s).flushed]
+    own_workers = [s for s in MEASUREMENT_STAGES if s in stages and spec(s).own_workers]
+    teardown_errors: list[str] = []
     try:
-        launched = outcome(launch(run, return_state=True))
-        warmed = outcome(warmup(run, launched, return_state=True))
-        results += [launched, warmed]
-        for name in (s for s in MEASUREMENT_STAGES if s in stages):
-            flushed = outcome(flush(run, name, warmed, return_state=True))
-            if flushed.status != "skipped":
-                results.append(flushed)
-            results.append(outcome(MEASURE_TASKS[name](run, flushed, return_state=True)))
+        if run.uses_worker(on_gate_worker):
+            launched = outcome(launch(run, return_state=True))
+            warmed = outcome(warmup(run, launched, return_state=True))
+            results += [launched, warmed]
+            for name in on_gate_worker:
+                flushed = outcome(flush(run, name, warmed, return_state=True))
+                if flushed.status != "skipped":
+                    results.append(flushed)
+                results.append(outcome(MEASURE_TASKS[name](run, flushed, return_state=True)))
+        else:
+            why = "no enabled stage of this run measures the gate's worker (the paired stage launches its own)"
+            results += [run.skipped("launch", "skipped", why), run.skipped("warmup", "skipped", why)]
+        # A stage with its own workers runs alone: the gate's worker is stopped first.
+        teardown_errors += run.stop_worker()
+        for name in own_workers:
+            results.append(outcome(MEASURE_TASKS[name](run, return_state=True)))
     finally:
-        teardown_errors = run.close()
+        teardown_errors += run.close()
     results.append(outcome(compare(run, results, return_state=True)))
     validation = outcome(validate(run, results, return_state=True))
     decided = verdict(run, results, validation, teardown_errors)

@@ -47,6 +47,8 @@ __all__ = [
     "CompareConfig",
     "StoreConfig",
     "ReportConfig",
+    "PairedConfig",
+    "PAIRED_METRICS",
     "GateConfig",
     "PROFILES_DIR",
     "available_profiles",
@@ -135,6 +137,15 @@ def redact_url(url: str | None) -> str | None:
     return _URL_PASSWORD_RE.sub(r"\g<user>***@", url, count=1)
 
 
+def _check_cpus(v: list[int] | None) -> list[int] | None:
+    if v is None:
+        return v
+    have = sorted(os.sched_getaffinity(0))
+    if not v or any(c not in have for c in v) or len(set(v)) != len(v):
+        raise ValueError(f"must be a non-empty list of distinct CPUs this process may use ({have}), got {v!r}")
+    return v
+
+
 class WorkerSpec(_Model):
     engine: EngineName = Field("embedded", description="which engine to launch (or 'external' to attach)")
     model: str = Field("smollm2-135m", description="model path or name the engine understands")
@@ -154,6 +165,13 @@ class WorkerSpec(_Model):
                                                         f"(prefer api_key_env: then no file holds it)")
     api_key_env: str | None = Field(None, description="name of the environment variable that holds the Bearer "
                                                       "token, read when the worker is launched")
+    cpus: list[int] | None = Field(None, description="pin the worker's process tree to these CPUs "
+                                                     "(sched_setaffinity before exec; None: any CPU)")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_exist(cls, v: list[int] | None) -> list[int] | None:
+        return _check_cpus(v)
 
     @field_validator("api_key_env")
     @classmethod
@@ -412,10 +430,79 @@ class ReportConfig(_Model):
     html: bool = Field(True, description="write report.html into the run folder (matplotlib plots)")
 
 
+PAIRED_METRICS: dict[str, tuple[str, str]] = {
+    "itl_median_ms": ("median_itl_ms", "lower_is_better"),
+    "tpot_median_ms": ("median_tpot_ms", "lower_is_better"),
+    "ttft_median_ms": ("median_ttft_ms", "lower_is_better"),
+    "e2e_median_ms": ("median_e2e_latency_ms", "lower_is_better"),
+    "output_throughput": ("output_throughput", "higher_is_better"),
+}
+"""What the paired stage measures per block: metric -> (serving summary column, direction)."""
+
+
+class PairedConfig(_Model):
+    """Paired, interleaved, sequential measurement of ``baseline`` (A) against ``worker`` (B).
+
+    Each round measures one block of the same fresh prompts on A and on B back to back (ABBA
+    order across rounds, or random), each from a flushed, idle worker; per metric the round's
+    log ratio B/A is one sample, so drift between rounds cancels. Rounds go on until every gated
+    metric is decided (an anytime-valid confidence sequence over rounds, ``servegate.paired.stats``)
+    or ``max_measure_s`` / ``max_rounds`` is reached. Both workers are restarted every
+    ``rounds_per_worker`` rounds so that process-level effects are sampled too.
+    """
+
+    enabled: bool = Field(True, description="run the paired stage when a baseline worker is configured")
+    mode: Literal["interleaved", "duet"] = Field("interleaved", description=(
+        "interleaved: A and B one after the other; duet: both at once (give worker.cpus and baseline.cpus "
+        "disjoint CPU sets)"))
+    order: Literal["abba", "random"] = Field("abba", description="AB, BA, AB, ... or a seeded random order per round")
+    requests_per_block: int = Field(4, ge=1, description="streaming requests per block, sent at once")
+    input_len: int = Field(64, ge=1, description="prompt tokens per request (random prompts, fresh each round)")
+    output_len: int = Field(64, ge=2, description="generated tokens per request (ignore_eos)")
+    min_rounds: int = Field(6, ge=3, description="rounds before the first decision is looked at")
+    max_rounds: int = Field(200, ge=3, description="stop after this many rounds (undecided metrics: inconclusive)")
+    max_measure_s: Seconds = Field(600.0, description="measurement budget: no round starts that would end past it")
+    rounds_per_worker: int = Field(4, ge=1, description="restart both workers every this many rounds")
+    bound: float = Field(0.015, gt=0, lt=1, description="the smallest change that counts (0.015 = 1.5 %)")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="coverage of the confidence sequence, over all rounds")
+    gated: list[str] = Field(default_factory=lambda: ["itl_median_ms"], description=(
+        f"metrics that decide the verdict, of {list(PAIRED_METRICS)}; the others are reported"))
+    sd_floor: float = Field(0.005, ge=0, lt=1, description=(
+        "smallest per-round sd of the log ratio the interval assumes (guards the first rounds against a lucky "
+        "small spread)"))
+    design_rounds: int = Field(30, ge=3, description="the round count the confidence sequence is tightest at")
+    client_cpus: list[int] | None = Field(None, description="pin the load generator's thread(s) to these CPUs")
+    seed: int = Field(1, description="seed of the prompts (round r uses seed + r) and of a random order")
+    request_timeout_s: Seconds = Field(300.0, description="HTTP timeout per request")
+
+    @field_validator("gated")
+    @classmethod
+    def _known_metrics(cls, v: list[str]) -> list[str]:
+        unknown = [m for m in v if m not in PAIRED_METRICS]
+        if unknown or not v:
+            raise ValueError(f"must name at least one of {list(PAIRED_METRICS)}, got {v!r}")
+        return v
+
+    @field_validator("client_cpus")
+    @classmethod
+    def _cpus_exist(cls, v: list[int] | None) -> list[int] | None:
+        return _check_cpus(v)
+
+    @model_validator(mode="after")
+    def _rounds(self) -> "PairedConfig":
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(f"max_rounds ({self.max_rounds}) is below min_rounds ({self.min_rounds})")
+        return self
+
+
 class GateConfig(_Model):
     name: str = Field("smoke", description="gate name (part of the gate key)")
     hardware: str = Field("cpu", description="hardware profile (part of the gate key)")
     worker: WorkerSpec = Field(default_factory=WorkerSpec)
+    baseline: WorkerSpec | None = Field(None, description=(
+        "the baseline worker (A) the paired stage measures the candidate `worker` (B) against: same schema, "
+        "what differs between the builds (python, extra_args, env, model); same memory budget"))
+    paired: PairedConfig = Field(default_factory=PairedConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     flush: FlushConfig = Field(default_factory=FlushConfig)
     one_batch: OneBatchConfig = Field(default_factory=OneBatchConfig)
@@ -434,6 +521,24 @@ class GateConfig(_Model):
         "longest any one stage may run (launch, warm-up, a flush, a measurement); past it, as for max_wall_s"))
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _same_budget(self) -> "GateConfig":
+        # A paired comparison of two budgets measures the budgets, not the builds.
+        if self.baseline is not None and self.baseline.engine == self.worker.engine:
+            a, b = self.baseline.budget().model_dump(), self.worker.budget().model_dump()
+            if a != b:
+                raise ValueError(f"baseline and worker must have the same memory budget (baseline {a}, worker {b}); "
+                                 f"set the same memory_profile / memory on both")
+        elif self.baseline is not None and self.baseline.memory_profile != self.worker.memory_profile:
+            raise ValueError(f"baseline ({self.baseline.engine}) and worker ({self.worker.engine}) must use the same "
+                             f"memory_profile, got {self.baseline.memory_profile!r} and {self.worker.memory_profile!r}")
+        return self
+
+    @property
+    def is_paired(self) -> bool:
+        """A baseline worker is configured and the paired stage is on."""
+        return self.baseline is not None and self.paired.enabled
 
 
 def available_profiles() -> list[str]:

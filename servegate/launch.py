@@ -285,8 +285,12 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
         log.write(f"# servegate: launching {engine.name}: {_redacted(cmd)}\n".encode())
         log.flush()
         try:
+            # worker.cpus: the affinity is set in the child before exec, so every thread and
+            # process of the worker's tree inherits it (setting it afterwards would race them).
+            cpus = set(spec.cpus) if spec.cpus else None
             process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       env=env, start_new_session=True, close_fds=True)
+                                       env=env, start_new_session=True, close_fds=True,
+                                       preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
             watch_group(process.pid)
         except OSError as exc:
             raise WorkerLaunchError(

@@ -114,6 +114,7 @@ class GateRun:
         self.folder = folder
         self.engine: Engine = get_engine(config.worker.engine)
         self.worker: "WorkerHandle | None" = None
+        self.side_workers: list["WorkerHandle"] = []  # launched by a stage with its own workers (paired)
         self.attempt_of = attempt_of  # the recorded run this one re-runs (servegate rerun)
         self.closed = False  # True once the gate stopped the worker on purpose
         self.device_slot = contextlib.ExitStack()  # the held device slot (hold_device_slot), released by close()
@@ -168,6 +169,36 @@ class GateRun:
     def api_key(self) -> str | None:
         return self.config.worker.api_key_value()
 
+    def adopt_worker(self, handle: "WorkerHandle") -> None:
+        """A worker a stage launched itself (the paired stage's): stopped with the gate's worker by a
+        deadline and by ``close``."""
+        self.side_workers = [h for h in self.side_workers if h.is_alive()] + [handle]
+        if self.overrun is not None:
+            handle.stop()
+
+    def uses_worker(self, stages: "list[str] | tuple[str, ...]") -> bool:
+        """Whether any of ``stages`` that is enabled measures the gate's own worker (so it is launched)."""
+        from servegate.stages import STAGES
+
+        for name in stages:
+            stage = STAGES[name]
+            section = getattr(self.config, stage.section, None) if stage.section else None
+            if stage.flushed and getattr(section, "enabled", True):
+                return True
+        return False
+
+    def stop_worker(self) -> list[str]:
+        """Stop the gate's worker (before a stage that runs its own); teardown errors are returned."""
+        self.closed = True
+        if self.worker is None:
+            return []
+        try:
+            self.worker.stop()
+        except InfraError as exc:
+            logger.error("teardown failed: %s", exc)
+            return [f"teardown: {exc}"]
+        return []
+
     # -- whether a stage runs ---------------------------------------------------------------
     def skip_reason(self, stage: StageSpec, *upstream: StageResult) -> tuple[str, str] | None:
         """``(status, reason)`` when ``stage`` does not run — disabled, not applicable to the
@@ -185,6 +216,10 @@ class GateRun:
             return None
         if self.overrun is not None:
             return "skipped", self.overrun
+        if stage.own_workers:
+            if self.config.baseline is None:
+                return "skipped", "no baseline worker configured (set [baseline] to measure the worker against it)"
+            return None
         if self.worker is None:
             return "skipped", "the worker was never launched (launch failed)"
         if not self.worker.is_alive():
@@ -285,11 +320,12 @@ class GateRun:
         if self.overrun is None:
             self.overrun = why
         logger.error("%s: stopping the worker", why)
-        if self.worker is not None:
-            try:
-                self.worker.stop()
-            except InfraError as exc:
-                logger.error("stopping the worker after a deadline failed: %s", exc)
+        for handle in [self.worker, *self.side_workers]:
+            if handle is not None:
+                try:
+                    handle.stop()
+                except InfraError as exc:
+                    logger.error("stopping a worker after a deadline failed: %s", exc)
 
     def _describe_failure(self, stage: str, exc: BaseException) -> str:
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit(143), Prefect's TerminationSignal
@@ -312,12 +348,13 @@ class GateRun:
         self.closed = True
         errors = []
         try:
-            if self.worker is not None:
-                try:
-                    self.worker.stop()
-                except InfraError as exc:
-                    errors.append(f"teardown: {exc}")
-                    logger.error("teardown failed: %s", exc)
+            for handle in [self.worker, *self.side_workers]:
+                if handle is not None:
+                    try:
+                        handle.stop()
+                    except InfraError as exc:
+                        errors.append(f"teardown: {exc}")
+                        logger.error("teardown failed: %s", exc)
         finally:
             self.device_slot.close()
         return errors

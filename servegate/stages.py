@@ -11,6 +11,7 @@ results on to compare, validate, verdict and record.
 Pipeline::
 
     launch -> warmup -> (flush -> measure) for one_batch, serving, occupancy, quality
+           -> paired (its own baseline and candidate workers, when a baseline is configured)
            -> compare -> validate -> verdict -> record
 """
 
@@ -97,6 +98,8 @@ class RunContext(Protocol):
     @property
     def api_key(self) -> str | None: ...
 
+    def adopt_worker(self, handle: "WorkerHandle") -> None: ...
+
 
 RunFunction = Callable[[RunContext, StageResult], None]
 
@@ -115,6 +118,9 @@ class StageSpec:
     """Engine capability (``servegate.engines.base.Engine`` flag) without which the stage is not applicable."""
     needs_why: str = ""
     """What the missing capability means, for the reason shown (``engine external <needs_why>``)."""
+    own_workers: bool = False
+    """A measurement that launches, warms up, flushes and stops its own workers (the paired stage):
+    it does not use the gate's worker, which is stopped before it runs."""
 
     @property
     def tables(self) -> tuple[str, ...]:
@@ -122,8 +128,13 @@ class StageSpec:
         return tuple(t for t, stage in TABLE_STAGE.items() if stage == self.name)
 
     @property
+    def measures(self) -> bool:
+        """A measurement stage (re-runnable by ``servegate rerun``)."""
+        return self.flushed or self.own_workers
+
+    @property
     def rerunnable(self) -> bool:
-        return self.flushed
+        return self.measures
 
 
 # ---- the run functions ------------------------------------------------------------------------
@@ -190,6 +201,13 @@ def _quality(run: RunContext, result: StageResult) -> None:
                          quality_agreement=out.agreement, quality_agreement_rows=out.agreement_rows)
 
 
+def _paired(run: RunContext, result: StageResult) -> None:
+    from servegate.paired.rounds import run_paired
+
+    measured = run_paired(run.config, run.path, result.tables, register=run.adopt_worker)
+    result.notes["stopped_because"] = measured.stopped_because
+
+
 def _flush(run: RunContext, result: StageResult) -> None:
     from servegate.bench.flush import flush_until_idle
 
@@ -206,14 +224,16 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in (
               needs_why="exposes no Prometheus metrics the gate can rely on"),
     StageSpec("quality", "quality", flushed=True, run=_quality, needs="has_logprobs",
               needs_why="does not promise the prompt log-probabilities the quality stage scores"),
+    StageSpec("paired", "paired", flushed=False, run=_paired, own_workers=True),
 )}
 """The worker's stages in gate order. compare, validate, verdict and record work on their results."""
 
 FLUSH = StageSpec("flush", "flush", flushed=False, run=_flush)
 """The flush before each measurement (recorded as ``flush:<stage>``)."""
 
-MEASUREMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES.values() if s.flushed)
-"""Measurement stages in gate order; each starts from a flushed, idle worker."""
+MEASUREMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES.values() if s.measures)
+"""Measurement stages in gate order: each of the gate's worker starts from a flushed, idle worker;
+the paired stage (last) runs its own workers."""
 RERUNNABLE: tuple[str, ...] = tuple(s.name for s in STAGES.values() if s.rerunnable)
 """What ``servegate rerun --task`` accepts."""
 

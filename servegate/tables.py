@@ -16,7 +16,8 @@ from typing import Final
 __all__ = ["TableSpec", "TABLES", "KNOWN_TABLES", "TABLE_STAGE", "columns", "ONE_BATCH_COLUMNS",
            "OFFLINE_ONE_BATCH_COLUMNS", "REQUEST_COLUMNS", "SERVING_SUMMARY_COLUMNS", "SAMPLE_COLUMNS",
            "OCCUPANCY_SUMMARY_COLUMNS", "COMPARISON_COLUMNS", "ACCURACY_COLUMNS", "ITEM_COLUMNS",
-           "AGREEMENT_COLUMNS", "AGREEMENT_ROW_COLUMNS"]
+           "AGREEMENT_COLUMNS", "AGREEMENT_ROW_COLUMNS", "PAIRED_COLUMNS", "PAIRED_ROUND_COLUMNS",
+           "PAIRED_WORKER_COLUMNS"]
 
 ONE_BATCH_COLUMNS: Final = [
     "run_name", "mode", "protocol", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason",
@@ -83,6 +84,24 @@ AGREEMENT_ROW_COLUMNS: Final = ["prompt_id", "n_compared", "first_mismatch_index
                                 "max_abs_logprob_diff", "max_greedy_gap", "within_tolerance", "worker_output_ids",
                                 "reference_output_ids"]
 
+PAIRED_COLUMNS: Final = [
+    "metric", "column", "unit", "direction", "gated", "rounds", "baseline_median", "candidate_median", "ratio",
+    "ci_low", "ci_high", "confidence", "bound", "sd_log", "decision", "paired_decision", "reason",
+    "stopped_because", "measure_s", "instances", "mode", "order", "rounds_per_worker", "method",
+]
+"""``paired``: one row per metric, ratio = candidate / baseline over rounds (geometric mean), its
+anytime-valid interval, and ``decision`` (``report_only`` for metrics that are not gated;
+``paired_decision`` holds what the interval says for every metric)."""
+PAIRED_ROUND_COLUMNS: Final = [
+    "round", "instance", "order", "metric", "a_value", "b_value", "log_ratio", "ratio", "ci_low", "ci_high",
+    "decision", "block_s",
+]
+"""``paired_rounds``: per round and metric, A's (baseline) and B's (candidate) block values and the
+interval as it stood after that round."""
+PAIRED_WORKER_COLUMNS: Final = ["side", "instance", "engine", "model", "python", "extra_args", "cpus", "pid",
+                                "launch_s", "warmup_s"]
+"""``paired_workers``: every worker instance the paired stage launched (provenance and cost)."""
+
 
 @dataclass(frozen=True)
 class TableSpec:
@@ -105,6 +124,9 @@ TABLES: Final[dict[str, TableSpec]] = {t.name: t for t in (
     TableSpec("quality_items", "quality", tuple(ITEM_COLUMNS)),
     TableSpec("quality_agreement", "quality", tuple(AGREEMENT_COLUMNS)),
     TableSpec("quality_agreement_rows", "quality", tuple(AGREEMENT_ROW_COLUMNS)),
+    TableSpec("paired", "paired", tuple(PAIRED_COLUMNS)),
+    TableSpec("paired_rounds", "paired", tuple(PAIRED_ROUND_COLUMNS)),
+    TableSpec("paired_workers", "paired", tuple(PAIRED_WORKER_COLUMNS)),
 )}
 
 KNOWN_TABLES: Final = tuple(TABLES)

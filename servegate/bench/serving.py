@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import math
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -327,6 +329,33 @@ def _run_coroutine(coro: Any) -> Any:
         return pool.submit(run).result()
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = True
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Freeze and pause the garbage collector while a load runs; loads that overlap (the paired
+    stage's duet mode runs two, one per thread) share one pause, lifted when the last one ends."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.freeze()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0:
+                gc.unfreeze()
+                if _gc_was_enabled:
+                    gc.enable()
+
+
 def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str | None = None, *,
                 tokenizer: Any | None = None, session: requests.Session | None = None,
                 partial: dict[str, pd.DataFrame] | None = None) -> ServingResult:
@@ -361,15 +390,8 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
     # when in-process: hundreds of thousands) and stalls the event loop for tens of ms, which
     # shows as dispatch lag and bursty arrivals. Freeze what exists into the permanent
     # generation and pause the collector for the run; the run itself makes few cycles.
-    gc_was_enabled = gc.isenabled()
-    gc.freeze()
-    gc.disable()
-    try:
+    with _gc_paused():
         records, _ = _run_coroutine(_run_load(rows, schedule, base_url, wire, model, cfg, api_key))
-    finally:
-        gc.unfreeze()
-        if gc_was_enabled:
-            gc.enable()
     requests_df = pd.DataFrame(records, columns=REQUEST_COLUMNS)
     for col in ("input_tokens", "planned_input_tokens", "output_tokens", "planned_output_tokens"):
         requests_df[col] = requests_df[col].astype("Int64")

@@ -90,7 +90,8 @@ DURATIONS = {
     "serving.slo_tpot_ms": "milliseconds", "serving.slo_e2e_ms": "milliseconds",
     "serving.max_dispatch_lag_p99_ms": "milliseconds", "occupancy.scrape_interval_s": "seconds",
     "occupancy.request_timeout_s": "seconds", "quality.request_timeout_s": "seconds", "compare.days": "days",
-    "max_wall_s": "seconds", "stage_max_s": "seconds",
+    "max_wall_s": "seconds", "stage_max_s": "seconds", "paired.max_measure_s": "seconds",
+    "paired.request_timeout_s": "seconds",
 }
 
 

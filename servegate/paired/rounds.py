@@ -1,0 +1,288 @@
+"""The paired stage: the baseline worker (A) and the candidate (B) measured side by side, in rounds,
+until every gated metric is decided or the measurement budget is spent.
+
+A round is one block of ``paired.requests_per_block`` streaming requests (fresh random prompts
+per round, the same prompts for both sides) sent to A and to B, each from a flushed, idle worker:
+one after the other in ABBA order (``interleaved``) or at the same time (``duet``, each worker on
+its own CPUs). Per metric the round gives one log ratio B/A; the interval over rounds is an
+anytime-valid confidence sequence (:mod:`servegate.paired.stats`), looked at after every round
+from ``min_rounds`` on. Both workers are restarted every ``rounds_per_worker`` rounds.
+
+Tables (``servegate.tables``): ``paired`` (one row per metric: ratio, interval, decision, how many
+rounds and why the measurement stopped), ``paired_rounds`` (per round and metric: A's and B's
+values, the log ratio, and the interval as it stood after that round) and ``paired_workers`` (each
+worker instance launched: side, engine, model, python, extra args, launch and warm-up seconds).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from servegate.compare import decide_change
+from servegate.config import PAIRED_METRICS, GateConfig, ServingConfig, WorkerSpec
+from servegate.engines import get_engine
+from servegate.errors import ConfigError, StageError, WorkerDiedError
+from servegate.paired.stats import ratio_interval
+from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from servegate.launch import WorkerHandle
+
+__all__ = ["SIDES", "PairedMeasurement", "block_config", "run_paired"]
+
+logger = logging.getLogger("servegate.paired")
+
+SIDES = ("baseline", "candidate")
+"""A is the baseline, B the candidate; ratios are B/A."""
+
+_UNITS = {"itl_median_ms": "ms", "tpot_median_ms": "ms", "ttft_median_ms": "ms", "e2e_median_ms": "ms",
+          "output_throughput": "tok/s"}
+
+
+def block_config(config: GateConfig, round_index: int) -> ServingConfig:
+    """The serving load of one block: ``requests_per_block`` requests of fixed lengths, all at once,
+    seeded by the round (fresh prompts per round, the same for both sides)."""
+    p = config.paired
+    return ServingConfig(dataset="random", num_prompts=p.requests_per_block, random_input_len=p.input_len,
+                         random_output_len=p.output_len, random_range_ratio=1.0, arrival="all-at-once",
+                         request_rate=float("inf"), max_concurrency=p.requests_per_block,
+                         protocol=config.serving.protocol, seed=p.seed + round_index,
+                         request_timeout_s=p.request_timeout_s, progress=False,
+                         max_dispatch_lag_p99_ms=config.serving.max_dispatch_lag_p99_ms)
+
+
+@dataclass
+class _Side:
+    name: str
+    spec: WorkerSpec
+    log: Path
+    handle: "WorkerHandle | None" = None
+    tokenizer: Any = None
+
+
+class PairedMeasurement:
+    """One paired measurement: both workers, the rounds so far, the tables. ``register`` is told of
+    every worker launched (the gate's deadline timer and teardown stop them)."""
+
+    def __init__(self, config: GateConfig, run_dir: Path, *, register: Callable[["WorkerHandle"], None],
+                 tables: dict[str, pd.DataFrame], clock: Callable[[], float] = time.monotonic) -> None:
+        if config.baseline is None:
+            raise ConfigError("the paired stage needs a baseline worker: set [baseline] in the gate config")
+        self.config = config
+        self.p = config.paired
+        self.sides = {"baseline": _Side("baseline", config.baseline, run_dir / "baseline-worker.log"),
+                      "candidate": _Side("candidate", config.worker, run_dir / "worker.log")}
+        self.register = register
+        self.tables = tables
+        self.clock = clock
+        self.rounds: list[dict[str, Any]] = []  # per round: order, instance, values per side
+        self.workers: list[dict[str, Any]] = []
+        self.instance = -1
+        self.rng = random.Random(self.p.seed)
+        self.started: float | None = None
+        self.stopped_because = ""
+        self.restart_s: list[float] = []
+
+    # -- workers ------------------------------------------------------------------------------
+    def _launch(self, side: _Side) -> None:
+        from servegate.bench.datasets import load_prompt_tokenizer
+        from servegate.bench.protocol import protocol_for
+        from servegate.bench.warmup import run_warmup
+        from servegate.launch import launch_worker
+
+        engine = get_engine(side.spec.engine)
+        t0 = time.perf_counter()
+        side.handle = launch_worker(side.spec, side.log)
+        self.register(side.handle)
+        launched = time.perf_counter() - t0
+        api_key = side.spec.api_key_value()
+        if self.config.warmup.enabled:
+            run_warmup(side.handle.base_url, engine, self.config.warmup, api_key=api_key)
+        warmed = time.perf_counter() - t0 - launched
+        if side.tokenizer is None and protocol_for(engine, self.config.serving.protocol).needs_text_prompts:
+            side.tokenizer = load_prompt_tokenizer(side.spec.model)
+        self.workers.append({
+            "side": side.name, "instance": self.instance, "engine": side.spec.engine, "model": side.spec.model,
+            "python": side.spec.python, "extra_args": json.dumps(side.spec.extra_args),
+            "cpus": json.dumps(side.spec.cpus), "pid": side.handle.pid, "launch_s": round(launched, 3),
+            "warmup_s": round(warmed, 3)})
+        self.tables["paired_workers"] = pd.DataFrame(self.workers, columns=PAIRED_WORKER_COLUMNS)
+
+    def _stop_all(self) -> None:
+        for side in self.sides.values():
+            if side.handle is not None:
+                side.handle.stop()
+                side.handle = None
+
+    def start_instances(self) -> None:
+        """(Re)launch both workers: a new instance of each, warmed up."""
+        self._stop_all()
+        self.instance += 1
+        for side in self.sides.values():
+            self._launch(side)
+
+    def check_alive(self) -> None:
+        for side in self.sides.values():
+            if side.handle is not None and not side.handle.is_alive():
+                raise WorkerDiedError(f"the {side.name} worker exited (code {side.handle.returncode}) during the "
+                                      f"paired measurement; log tail:\n{side.handle.log_tail(20)}")
+
+    # -- one block, one round -----------------------------------------------------------------
+    def _block(self, side: _Side, round_index: int) -> dict[str, float]:
+        from servegate.bench.flush import flush_until_idle
+        from servegate.bench.serving import run_serving
+
+        if self.p.client_cpus:
+            os.sched_setaffinity(0, set(self.p.client_cpus))  # this thread: the load generator's loop
+        assert side.handle is not None
+        engine = get_engine(side.spec.engine)
+        api_key = side.spec.api_key_value()
+        flush_until_idle(side.handle.base_url, engine, self.config.flush, api_key=api_key)
+        out = run_serving(side.handle.base_url, engine, block_config(self.config, round_index), api_key=api_key,
+                          tokenizer=side.tokenizer)
+        row = out.summary.iloc[0]
+        if int(row["failed"]) > 0:
+            raise StageError(f"{int(row['failed'])} of {self.p.requests_per_block} requests to the {side.name} "
+                             f"worker failed in round {round_index + 1}; a round with failed requests is not a "
+                             f"measurement (serving errors: see {side.log})")
+        return {metric: float(row[column]) for metric, (column, _) in PAIRED_METRICS.items()}
+
+    def measure_round(self) -> None:
+        r = len(self.rounds)
+        if self.p.order == "abba":
+            order = "AB" if r % 2 == 0 else "BA"
+        else:
+            order = self.rng.choice(["AB", "BA"])
+        names = {"A": "baseline", "B": "candidate"}
+        t0 = time.perf_counter()
+        values: dict[str, dict[str, float]] = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            if self.p.mode == "duet":
+                futures = {names[s]: pool.submit(self._block, self.sides[names[s]], r) for s in order}
+                values = {name: f.result() for name, f in futures.items()}
+            else:
+                for s in order:  # a thread per block, so that client_cpus pins only the load generator
+                    values[names[s]] = pool.submit(self._block, self.sides[names[s]], r).result()
+        self.rounds.append({"round": r + 1, "instance": self.instance, "order": order if self.p.mode != "duet"
+                            else "A+B", "block_s": time.perf_counter() - t0, **{k: v for k, v in values.items()}})
+        self.check_alive()
+
+    # -- statistics ---------------------------------------------------------------------------
+    def _log_ratios(self, metric: str) -> list[float]:
+        out = []
+        for rnd in self.rounds:
+            a, b = rnd["baseline"][metric], rnd["candidate"][metric]
+            out.append(math.log(b / a) if a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b) else math.nan)
+        return out
+
+    def _decide(self, metric: str, upto: int | None = None) -> tuple[Any, str]:
+        direction = PAIRED_METRICS[metric][1]
+        logs = self._log_ratios(metric)[:upto]
+        iv = ratio_interval(logs, confidence=self.p.confidence, design_rounds=self.p.design_rounds,
+                            sd_floor=self.p.sd_floor)
+        if len(logs) < self.p.min_rounds or not math.isfinite(iv.ci_low):
+            return iv, "inconclusive"
+        return iv, decide_change(iv.ci_low, iv.ci_high, direction, self.p.bound)  # type: ignore[arg-type]
+
+    def decided(self) -> bool:
+        return all(self._decide(m)[1] != "inconclusive" for m in self.p.gated)
+
+    def publish(self) -> None:
+        """Write the tables as they stand (after every round: a failure later keeps them)."""
+        rows = []
+        for i, rnd in enumerate(self.rounds):
+            for metric in PAIRED_METRICS:
+                iv, decision = self._decide(metric, i + 1)
+                a, b = rnd["baseline"][metric], rnd["candidate"][metric]
+                rows.append({"round": rnd["round"], "instance": rnd["instance"], "order": rnd["order"],
+                             "metric": metric, "a_value": a, "b_value": b,
+                             "log_ratio": self._log_ratios(metric)[i], "ratio": iv.ratio, "ci_low": iv.ci_low,
+                             "ci_high": iv.ci_high, "decision": decision, "block_s": round(rnd["block_s"], 3)})
+        self.tables["paired_rounds"] = pd.DataFrame(rows, columns=PAIRED_ROUND_COLUMNS)
+        elapsed = 0.0 if self.started is None else self.clock() - self.started
+        summary = []
+        for metric, (column, direction) in PAIRED_METRICS.items():
+            iv, decision = self._decide(metric)
+            gated = metric in self.p.gated
+            reason = None
+            if decision == "inconclusive":
+                reason = (f"{len(self.rounds)} round(s): fewer than min_rounds = {self.p.min_rounds}"
+                          if len(self.rounds) < self.p.min_rounds else
+                          f"the interval straddles the bound ±{self.p.bound:.1%} after {len(self.rounds)} rounds; "
+                          f"more rounds (paired.max_measure_s) would decide it")
+            summary.append({
+                "metric": metric, "column": column, "unit": _UNITS[metric], "direction": direction, "gated": gated,
+                "rounds": len(self.rounds), "baseline_median": _median(r["baseline"][metric] for r in self.rounds),
+                "candidate_median": _median(r["candidate"][metric] for r in self.rounds), "ratio": iv.ratio,
+                "ci_low": iv.ci_low, "ci_high": iv.ci_high, "confidence": self.p.confidence, "bound": self.p.bound,
+                "sd_log": iv.sd_log, "decision": decision if gated else "report_only", "paired_decision": decision,
+                "reason": reason, "stopped_because": self.stopped_because, "measure_s": round(elapsed, 3),
+                "instances": self.instance + 1, "mode": self.p.mode, "order": self.p.order,
+                "rounds_per_worker": self.p.rounds_per_worker, "method": "asymptotic confidence sequence"})
+        self.tables["paired"] = pd.DataFrame(summary, columns=PAIRED_COLUMNS)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Launch, then measure rounds until decided, out of budget or out of rounds; stop the workers."""
+        try:
+            t0 = time.perf_counter()
+            self.start_instances()
+            self.restart_s.append(time.perf_counter() - t0)  # what the first restart is expected to cost
+            self.started = self.clock()
+            while True:
+                r = len(self.rounds)
+                if r >= self.p.max_rounds:
+                    self.stopped_because = f"max_rounds ({self.p.max_rounds}) reached"
+                    break
+                restart = r > 0 and r % self.p.rounds_per_worker == 0
+                if r > 0 and self._would_overrun(restart):
+                    self.stopped_because = (f"measurement budget max_measure_s = {self.p.max_measure_s:g} s: "
+                                            f"another round would end past it")
+                    break
+                if restart:
+                    t0 = time.perf_counter()
+                    self.start_instances()
+                    self.restart_s.append(time.perf_counter() - t0)
+                self.measure_round()
+                if len(self.rounds) >= self.p.min_rounds and self.decided():
+                    self.stopped_because = f"every gated metric decided after {len(self.rounds)} rounds"
+                    self.publish()
+                    break
+                self.publish()
+            logger.info("paired: %s", self.stopped_because)
+            self.publish()
+        finally:
+            self._stop_all()
+
+    def _would_overrun(self, restart: bool) -> bool:
+        assert self.started is not None
+        recent = [r["block_s"] for r in self.rounds[-4:]]
+        estimate = statistics.median(recent) + (statistics.median(self.restart_s) if restart and self.restart_s
+                                                else 0.0)
+        return self.clock() - self.started + estimate > self.p.max_measure_s
+
+
+def _median(values: Any) -> float:
+    vals = [v for v in values if math.isfinite(v)]
+    return float(statistics.median(vals)) if vals else math.nan
+
+
+def run_paired(config: GateConfig, run_dir: Path, tables: dict[str, pd.DataFrame],
+               register: Callable[["WorkerHandle"], None]) -> PairedMeasurement:
+    """Measure the paired stage of ``config`` (its tables go into ``tables`` as they are measured)."""
+    measurement = PairedMeasurement(config, run_dir, register=register, tables=tables)
+    measurement.run()
+    return measurement
