@@ -55,6 +55,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
         assert (run_dir / name).is_file(), f"{name} missing from {sorted(p.name for p in run_dir.iterdir())}"
     stages = json.loads((run_dir / "stages.json").read_text())
     assert stages.pop("compare")["status"] == "skipped"  # smoke has no baseline comparison
+    assert stages.pop("paired")["status"] == "skipped"  # nor a baseline worker to pair with
     assert all(s["status"] == "ok" for s in stages.values()), stages
     rows = [json.loads(line) for line in (run_dir / "one_batch.jsonl").read_text().splitlines()]
     # the smoke grid has one case past the worker's max running requests: a row with its reason
@@ -66,7 +67,8 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
 
     # The same run folder and verdict layout as before the redesign (issue 12: behaviour stays the
     # same), recorded from the smoke gate of commit 5910325. Added since, on purpose:
-    # summary.not_applicable (issue 11, finding 8: checks the engine cannot provide).
+    # summary.not_applicable (issue 11, finding 8: checks the engine cannot provide); the paired
+    # stage's record (issue 13: skipped without a baseline worker).
     golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
     assert sorted(p.name for p in run_dir.iterdir()) == golden["files"]
     expected = golden["verdict_json"]
@@ -74,7 +76,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     assert _schema(json.loads((run_dir / "verdict.json").read_text())) == expected
     assert sorted(verdict) == golden["stdout_json_keys"]
     recorded = json.loads((run_dir / "stages.json").read_text())
-    assert sorted(recorded) == golden["stages"]
+    assert sorted(recorded) == sorted([*golden["stages"], "paired"])
     assert all(sorted(r) == golden["stage_record_keys"] for r in recorded.values()), recorded
 
 

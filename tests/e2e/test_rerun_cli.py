@@ -83,7 +83,7 @@ def test_rerun_serving_after_crash_passes_and_keeps_the_first_attempt(tmp_path: 
     assert second.returncode == 0, f"{v2}\n{second.stderr[-4000:]}"
     assert v2["status"] == "pass" and v2["stages"] == ["serving"], v2
     # occupancy and quality: disabled in config, carried as skipped
-    assert v2["carried"] == ["occupancy", "one_batch", "quality"]
+    assert v2["carried"] == ["occupancy", "one_batch", "paired", "quality"]
     attempt_dir = Path(v2["run_dir"])
     assert attempt_dir.parent == run_dir / "attempts"
 

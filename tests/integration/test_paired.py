@@ -1,0 +1,140 @@
+"""The paired stage against real embedded workers (tiny-random model): rounds, restarts, the
+sequential stop, the tables, CPU pinning, and that no worker outlives the measurement.
+
+Effects asserted here are large on purpose (a +300 % forward-pass slowdown is a sleep: a busy
+machine cannot shrink it); how small a change the paired mode sees is measured by
+``servegate calibrate --paired`` and ``benchmarks/``, not asserted in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from servegate.config import load_config
+from servegate.launch import launch_worker
+from servegate.paired.rounds import PairedMeasurement
+from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TINY = ["worker.model=tiny-random", "baseline.model=tiny-random", "warmup.num_requests=1"]
+
+
+def _config(*overrides: str):
+    return load_config(profile="smoke-ab", overrides=[*TINY, "paired.output_len=32", "paired.input_len=32",
+                                                     *overrides])
+
+
+def _measure(tmp_path: Path, *overrides: str) -> tuple[PairedMeasurement, list]:
+    launched: list = []
+    tables: dict = {}
+    m = PairedMeasurement(_config(*overrides), tmp_path, register=launched.append, tables=tables)
+    m.run()
+    return m, launched
+
+
+def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_path: Path):
+    m, launched = _measure(tmp_path, 'worker.extra_args=["--fault-decode-slowdown-pct","300"]',
+                           "paired.min_rounds=4", "paired.rounds_per_worker=2", "paired.bound=0.10",
+                           "paired.max_measure_s=300")
+    paired = m.tables["paired"].set_index("metric")
+    itl = paired.loc["itl_median_ms"]
+    assert list(m.tables["paired"].columns) == PAIRED_COLUMNS
+    assert itl["decision"] == "regression", m.tables["paired_rounds"].to_string()
+    assert itl["ci_low"] > 1.10 and itl["ratio"] > 1.5  # the candidate's ITL is several times the baseline's
+    assert itl["rounds"] >= 4 and itl["stopped_because"].startswith("every gated metric decided")
+    assert paired.loc["output_throughput", "decision"] == "report_only"  # not gated in smoke-ab
+    assert paired.loc["output_throughput", "paired_decision"] in ("regression", "inconclusive")
+
+    rounds = m.tables["paired_rounds"]
+    assert list(rounds.columns) == PAIRED_ROUND_COLUMNS
+    itl_rounds = rounds[rounds["metric"] == "itl_median_ms"].reset_index(drop=True)
+    assert list(itl_rounds["round"]) == list(range(1, int(itl["rounds"]) + 1))
+    assert list(itl_rounds["order"][:4]) == ["AB", "BA", "AB", "BA"]  # ABBA across rounds
+    assert (itl_rounds["b_value"] > itl_rounds["a_value"]).all()
+    # Restarted every 2 rounds: instance 0 for rounds 1-2, 1 for 3-4, ...
+    assert list(itl_rounds["instance"]) == [i // 2 for i in range(len(itl_rounds))]
+    # The interval as it stood after each round: none before min_rounds is a decision.
+    assert set(itl_rounds["decision"][:3]) == {"inconclusive"}
+    assert itl_rounds["decision"].iloc[-1] == "regression"
+
+    workers = m.tables["paired_workers"]
+    assert list(workers.columns) == PAIRED_WORKER_COLUMNS
+    assert len(workers) == 2 * (int(itl["instances"])) == len(launched)
+    candidate = workers[workers["side"] == "candidate"]
+    baseline = workers[workers["side"] == "baseline"]
+    assert all("--fault-decode-slowdown-pct" in json.loads(a) for a in candidate["extra_args"])
+    assert all(json.loads(a) == [] for a in baseline["extra_args"])
+    assert (workers["launch_s"] > 0).all()
+    # Every instance was stopped: restarts and the end of the measurement leave nothing running.
+    assert not any(h.is_alive() for h in launched)
+    assert (tmp_path / "baseline-worker.log").is_file() and (tmp_path / "worker.log").is_file()
+
+
+def test_a_a_is_never_a_regression_and_the_budget_stops_it(tmp_path: Path):
+    # The same worker on both sides, a bound of 10 % and a budget of a few rounds: whatever the
+    # machine does meanwhile, ABBA order and pairing keep A/A from looking like a regression.
+    m, launched = _measure(tmp_path, "paired.min_rounds=3", "paired.rounds_per_worker=3", "paired.bound=0.10",
+                           "paired.max_measure_s=25")
+    itl = m.tables["paired"].set_index("metric").loc["itl_median_ms"]
+    assert itl["decision"] in ("no_change", "inconclusive", "improvement"), m.tables["paired_rounds"].to_string()
+    assert itl["decision"] != "regression"
+    assert m.stopped_because  # decided, or the budget: said either way
+    if itl["decision"] == "inconclusive":
+        assert "max_measure_s" in m.stopped_because or "max_rounds" in m.stopped_because
+    assert 0.5 < itl["ratio"] < 2.0
+    assert not any(h.is_alive() for h in launched)
+
+
+def test_duet_mode_pins_each_worker_to_its_cpus(tmp_path: Path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("duet needs two CPUs")
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    seen: dict[int, list[int]] = {}
+
+    def register(handle):
+        proc = psutil.Process(handle.pid)
+        # every thread of the worker's tree, not only its main thread
+        seen[handle.pid] = sorted({c for p in [proc, *proc.children(recursive=True)] for t in p.threads()
+                                   for c in os.sched_getaffinity(t.id)})
+        launched.append(handle)
+
+    launched: list = []
+    tables: dict = {}
+    cfg = _config("paired.mode=duet", f"worker.cpus=[{b}]", f"baseline.cpus=[{a}]", "paired.min_rounds=3",
+                  "paired.max_rounds=3", "paired.rounds_per_worker=10")
+    PairedMeasurement(cfg, tmp_path, register=register, tables=tables).run()
+    workers = tables["paired_workers"].set_index("side")
+    assert seen[int(workers.loc["baseline", "pid"])] == [a]
+    assert seen[int(workers.loc["candidate", "pid"])] == [b]
+    rounds = tables["paired_rounds"]
+    assert set(rounds["order"]) == {"A+B"} and rounds["round"].max() == 3
+    assert tables["paired"].set_index("metric").loc["itl_median_ms", "stopped_because"].startswith("max_rounds")
+
+
+def test_a_worker_that_dies_fails_the_measurement_and_leaves_nothing(tmp_path: Path):
+    launched: list = []
+    tables: dict = {}
+    m = PairedMeasurement(_config('worker.extra_args=["--fault-crash-after-requests","6"]', "paired.min_rounds=3"),
+                          tmp_path, register=launched.append, tables=tables)
+    with pytest.raises(Exception) as info:
+        m.run()
+    assert "candidate" in str(info.value) or "worker" in str(info.value)
+    assert not any(h.is_alive() for h in launched)
+    # What was measured before the crash is kept (the stage writes it as .partial).
+    assert "paired_workers" in tables
+
+
+def test_worker_cpus_pin_the_whole_tree_before_exec(tmp_path: Path):
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    cfg = load_config(profile="smoke", overrides=["worker.model=tiny-random", f"worker.cpus=[{cpu}]"])
+    with launch_worker(cfg.worker, tmp_path / "worker.log") as handle:
+        proc = psutil.Process(handle.pid)
+        threads = [t.id for p in [proc, *proc.children(recursive=True)] for t in p.threads()]
+        assert len(threads) > 1
+        assert {tuple(os.sched_getaffinity(t)) for t in threads} == {(cpu,)}
