@@ -24,7 +24,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from servegate.compare import decide_change
-from servegate.config import PAIRED_METRICS, GateConfig, ServingConfig, WorkerSpec
+from servegate.config import PAIRED_METRICS, GateConfig, PairedConfig, ServingConfig, WorkerSpec
 from servegate.engines import get_engine
 from servegate.errors import ConfigError, StageError, WorkerDiedError
-from servegate.paired.stats import ratio_interval
+from servegate.paired.stats import Interval, ratio_interval
 from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
 
 if TYPE_CHECKING:  # pragma: no cover
     from servegate.launch import WorkerHandle
 
-__all__ = ["SIDES", "PairedMeasurement", "block_config", "run_paired"]
+__all__ = ["SIDES", "PairedMeasurement", "block_config", "decide_metric", "run_paired", "stop_reason"]
 
 logger = logging.getLogger("servegate.paired")
 
@@ -188,14 +188,8 @@ class PairedMeasurement:
             out.append(math.log(b / a) if a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b) else math.nan)
         return out
 
-    def _decide(self, metric: str, upto: int | None = None) -> tuple[Any, str]:
-        direction = PAIRED_METRICS[metric][1]
-        logs = self._log_ratios(metric)[:upto]
-        iv = ratio_interval(logs, confidence=self.p.confidence, design_rounds=self.p.design_rounds,
-                            sd_floor=self.p.sd_floor)
-        if len(logs) < self.p.min_rounds or not math.isfinite(iv.ci_low):
-            return iv, "inconclusive"
-        return iv, decide_change(iv.ci_low, iv.ci_high, direction, self.p.bound)  # type: ignore[arg-type]
+    def _decide(self, metric: str, upto: int | None = None) -> tuple[Interval, str]:
+        return decide_metric(self._log_ratios(metric)[:upto], PAIRED_METRICS[metric][1], self.p)
 
     def decided(self) -> bool:
         return all(self._decide(m)[1] != "inconclusive" for m in self.p.gated)
@@ -236,7 +230,7 @@ class PairedMeasurement:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
-        """Launch, then measure rounds until decided, out of budget or out of rounds; stop the workers."""
+        """Launch, then measure rounds until :func:`stop_reason` says stop; stop the workers."""
         try:
             t0 = time.perf_counter()
             self.start_instances()
@@ -244,35 +238,53 @@ class PairedMeasurement:
             self.started = self.clock()
             while True:
                 r = len(self.rounds)
-                if r >= self.p.max_rounds:
-                    self.stopped_because = f"max_rounds ({self.p.max_rounds}) reached"
-                    break
                 restart = r > 0 and r % self.p.rounds_per_worker == 0
-                if r > 0 and self._would_overrun(restart):
-                    self.stopped_because = (f"measurement budget max_measure_s = {self.p.max_measure_s:g} s: "
-                                            f"another round would end past it")
+                reason = stop_reason(self.p, r, decided=r >= self.p.min_rounds and self.decided(),
+                                     elapsed_s=self.clock() - self.started, next_round_s=self._estimate(restart))
+                if reason is not None:
+                    self.stopped_because = reason
                     break
                 if restart:
                     t0 = time.perf_counter()
                     self.start_instances()
                     self.restart_s.append(time.perf_counter() - t0)
                 self.measure_round()
-                if len(self.rounds) >= self.p.min_rounds and self.decided():
-                    self.stopped_because = f"every gated metric decided after {len(self.rounds)} rounds"
-                    self.publish()
-                    break
                 self.publish()
             logger.info("paired: %s", self.stopped_because)
             self.publish()
         finally:
             self._stop_all()
 
-    def _would_overrun(self, restart: bool) -> bool:
-        assert self.started is not None
+    def _estimate(self, restart: bool) -> float:
+        """What the next round is expected to take: the median of the last 4, plus a restart's cost."""
         recent = [r["block_s"] for r in self.rounds[-4:]]
-        estimate = statistics.median(recent) + (statistics.median(self.restart_s) if restart and self.restart_s
-                                                else 0.0)
-        return self.clock() - self.started + estimate > self.p.max_measure_s
+        block = statistics.median(recent) if recent else 0.0
+        return block + (statistics.median(self.restart_s) if restart and self.restart_s else 0.0)
+
+
+def decide_metric(log_ratios: Sequence[float], direction: str, p: PairedConfig) -> tuple[Interval, str]:
+    """The interval of one metric's ratio B/A from its per-round log ratios, and its decision
+    (inconclusive before ``p.min_rounds``)."""
+    iv = ratio_interval(log_ratios, confidence=p.confidence, design_rounds=p.design_rounds, sd_floor=p.sd_floor)
+    if iv.rounds < p.min_rounds or not math.isfinite(iv.ci_low):
+        return iv, "inconclusive"
+    return iv, decide_change(iv.ci_low, iv.ci_high, direction, p.bound)  # type: ignore[arg-type]
+
+
+def stop_reason(p: PairedConfig, rounds: int, *, decided: bool, elapsed_s: float, next_round_s: float) -> str | None:
+    """Why the paired measurement stops after ``rounds`` rounds, or None to measure another.
+
+    ``decided``: every gated metric is decided (looked at from ``min_rounds`` on);
+    ``elapsed_s``: measurement time so far; ``next_round_s``: what the next round is expected to
+    take (restart included). The first round is always measured.
+    """
+    if decided:
+        return f"every gated metric decided after {rounds} rounds"
+    if rounds >= p.max_rounds:
+        return f"max_rounds ({p.max_rounds}) reached"
+    if rounds > 0 and elapsed_s + next_round_s > p.max_measure_s:
+        return f"measurement budget max_measure_s = {p.max_measure_s:g} s: another round would end past it"
+    return None
 
 
 def _median(values: Any) -> float:
