@@ -4,16 +4,29 @@ The rule, applied after every outcome has been collected (so a verdict lists eve
 never only the first):
 
 1. **inconclusive** when anything says the infrastructure broke: an ``infra_errors`` entry,
-   a stage with status ``failed``, or an expectation that could not be evaluated on a table
-   that was produced (empty table, missing column, GX error). Breaches found in the same run
-   are still listed, but they are not reported as a regression: data from a run whose
-   infrastructure broke is not trusted (design: "Infra failures are inconclusive, never pass,
-   and never reported as a regression").
+   a stage with status ``failed``, an expectation that could not be evaluated on a table
+   that was produced (empty table, missing column, GX error), or a failed expectation whose
+   ``meta.failure_means`` is ``insufficient_data`` (too little history for a gated comparison)
+   or ``invalid_measurement`` (the load generator fell behind its schedule). Breaches found in
+   the same run are still listed, but they are not reported as a regression: data from a run
+   whose infrastructure broke is not trusted (design: "Infra failures are inconclusive, never
+   pass, and never reported as a regression").
 2. otherwise **fail** when any expectation failed (a breach).
-3. otherwise **inconclusive** when a table with a suite was not produced and its stage was
+3. otherwise **inconclusive** when a failed expectation's ``meta.failure_means`` is
+   ``undecided``: e.g. a gated comparison whose ratio interval straddles the bound (decision
+   ``inconclusive``) has shown neither a regression nor that a regression of the bound is
+   excluded (the non-inferiority rule of :mod:`servegate.compare`), so it can neither pass
+   nor fail the gate; more measurement decides it. It is listed with the infra errors, never
+   as a breach, and it does not hide a regression shown by another check (rule 2 first).
+4. otherwise **inconclusive** when a table with a suite was not produced and its stage was
    not deliberately left out (stage status ``skipped`` or ``not_applicable``), or when no
    expectation was evaluated at all: a gate never passes on nothing.
-4. otherwise **pass**.
+5. otherwise **pass**.
+
+A run may serve as a baseline (``baseline_eligible``) when it passed, or when it is
+inconclusive only because gated comparisons lacked history (so that a new gate key can build
+its history) — never when a gated metric was undecided: a run whose change could not be
+excluded must not become the reference for the next.
 
 Exit codes (:class:`ExitCode`, the only definition; every command returns one): pass 0,
 fail 1, inconclusive 2 — and 2 for anything else that kept a command from deciding (bad
@@ -100,7 +113,8 @@ class Verdict(_Record):
     status: Literal["pass", "fail", "inconclusive"] = Field(description="pass | fail (regression) | inconclusive")
     reason: str = Field(description="one sentence: why this status")
     breaches: list[Breach] = Field(default_factory=list, description="every failed expectation")
-    infra_errors: list[str] = Field(default_factory=list, description="everything that kept the gate from deciding")
+    infra_errors: list[str] = Field(default_factory=list, description=(
+        "everything that kept the gate from deciding, gated metrics left undecided included"))
     not_validated: list[str] = Field(default_factory=list, description="tables with a suite that were not produced")
     not_applicable: list[str] = Field(default_factory=list, description=(
         "tables of not_validated whose stage was skipped or not applicable, and table.column checks the engine "
@@ -164,7 +178,17 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
         label = "insufficient data" if o.meta.get("failure_means") == "insufficient_data" else "invalid measurement"
         errors.append(f"{label}: {o.table}.{o.column or ''} {o.expectation_type} failed "
                       f"({observed_text(o.observed)}); {o.meta.get('source', '')}")
-    breaches = [_breach(o) for o in outcomes if o.success is False and o not in insufficient]
+    # ``"failure_means": "undecided"`` (a gated metric neither shown to regress nor shown unchanged,
+    # e.g. a comparison interval across the bound) is listed with the infra errors too, but it
+    # only keeps a run from passing (rule 3): the data is trusted, so a regression another check
+    # shows still fails the run.
+    undecided = [o for o in outcomes if o.success is False and o.meta.get("failure_means") == "undecided"]
+    undecided_errors = [f"undecided: {o.table}.{o.column or ''} {o.expectation_type} failed "
+                        f"({observed_text(o.observed)}); not a regression, and a regression of the bound is not "
+                        f"excluded either: more measurement (more runs or repeats, or the paired mode) decides it; "
+                        f"{o.meta.get('source', '')}" for o in undecided]
+    breaches = [_breach(o) for o in outcomes
+                if o.success is False and o not in insufficient and o not in undecided]
     only_history_missing = (bool(insufficient) and len(errors) == len(insufficient)
                             and all(o.meta.get("failure_means") == "insufficient_data" for o in insufficient))
     passed = sum(1 for o in outcomes if o.success is True)
@@ -190,6 +214,10 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
     elif breaches:
         status = "fail"
         reason = f"{len(breaches)} expectation(s) breached"
+    elif undecided:
+        status = "inconclusive"
+        reason = (f"gated metric(s) undecided ({'; '.join(observed_text(o.observed) for o in undecided)}): "
+                  f"no regression shown and none excluded; more measurement decides")
     elif required_missing:
         status = "inconclusive"
         reason = f"table(s) {required_missing} not produced, so their expectations were not checked"
@@ -201,8 +229,9 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
         reason = f"all {passed} evaluated expectation(s) met"
         if exempt or inapplicable:
             reason += f" ({[*exempt, *inapplicable]} skipped or not applicable)"
-    eligible = status == "pass" or (only_history_missing and not unevaluated and not breaches and not required_missing)
-    return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=errors,
+    eligible = status == "pass" or (only_history_missing and not undecided and not unevaluated and not breaches
+                                    and not required_missing)
+    return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=[*errors, *undecided_errors],
                    not_validated=missing_tables, not_applicable=[*exempt, *inapplicable], summary=summary,
                    baseline_eligible=eligible)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from servegate.config import available_profiles, load_config
 from servegate.errors import ValidationSetupError
 from servegate.suites import allowed_text, resolve_expectations_dir
 from servegate.validate import TABLE_NOT_PRODUCED, load_suites, validate_tables
@@ -89,6 +90,47 @@ def test_comparison_regression_fails_and_missing_history_is_inconclusive():
     assert verdict.baseline_eligible  # so that a new gate key can build its history
 
 
+def test_undecided_gated_comparison_is_inconclusive_never_a_pass():
+    # decision inconclusive: the ratio's interval straddles the bound (e.g. x1.55, CI 0.90-2.56), so a
+    # +55 % regression is neither shown nor excluded. Not a breach, not a pass, and no baseline.
+    tables = passing_tables()
+    tables["comparison"] = comparison_table(("no_change", "inconclusive", "report_only"), (True, True, False))
+    verdict = decide_verdict(validate_tables(tables, "cpu-nightly"), [])
+    assert (verdict.status, verdict.exit_code, verdict.breaches) == ("inconclusive", 2, [])
+    assert verdict.baseline_eligible is False
+    [entry] = verdict.infra_errors
+    assert entry.startswith("undecided: comparison.decision") and "['inconclusive']" in entry, entry
+    # With a regression on another gated metric the run fails: an undecided metric hides no regression.
+    tables["comparison"] = comparison_table(("regression", "inconclusive"), (True, True))
+    verdict = decide_verdict(validate_tables(tables, "cpu-nightly"), [])
+    assert verdict.status == "fail" and [b.column for b in verdict.breaches] == ["decision"]
+
+
+@pytest.mark.parametrize("decisions, gated", [
+    (("no_change", "inconclusive"), (True, False)),  # not gated: shown, never decides
+    (("no_change", "improvement", "report_only"), (True, True, False)),
+])
+def test_undecided_rule_leaves_decided_and_ungated_rows_alone(decisions, gated):
+    tables = passing_tables()
+    tables["comparison"] = comparison_table(decisions, gated)
+    verdict = decide_verdict(validate_tables(tables, "cpu-nightly"), [])
+    assert (verdict.status, verdict.infra_errors, verdict.baseline_eligible) == ("pass", [], True)
+
+
+@pytest.mark.parametrize("profile", available_profiles())
+def test_every_comparing_profile_keeps_an_undecided_gated_metric_from_passing(profile):
+    config = load_config(profile=profile)
+    suites = load_suites(config.validate_.expectation_profile)
+    if "comparison" not in suites:
+        assert not config.compare.enabled, f"{profile} compares with its baseline but has no comparison suite"
+        pytest.skip(f"{profile} has no baseline comparison")
+    tables = {"comparison": comparison_table(("no_change", "inconclusive"), (True, True))}
+    outcomes = [o for o in validate_tables(tables, config.validate_.expectation_profile) if o.table == "comparison"]
+    verdict = decide_verdict(outcomes, [])
+    assert verdict.status == "inconclusive" and verdict.breaches == [] and not verdict.baseline_eligible
+    assert [e.split(":")[0] for e in verdict.infra_errors] == ["undecided"]
+
+
 def write_suite(directory: Path, profile: str, suites: dict) -> Path:
     path = directory / f"{profile}.json"
     path.write_text(json.dumps({"profile": profile, "description": "test", "suites": suites}))
@@ -102,6 +144,17 @@ def exp(type_: str, **kwargs) -> dict:
 # ---- shipped suites ----------------------------------------------------------------------
 def test_default_dir_is_repo_expectations():
     assert resolve_expectations_dir() == Path(__file__).resolve().parents[2] / "expectations"
+
+
+@pytest.mark.parametrize("profile", available_profiles())
+def test_no_shipped_expectation_is_lost_when_its_suite_is_built(profile):
+    # GX upserts a suite's expectations by type, column and row_condition: a second check on the same
+    # domain (comparison.decision on gated rows: insufficient_data, then undecided) would silently
+    # replace the first. The undecided check writes its condition as a one-member "and" for that reason.
+    written = json.loads((resolve_expectations_dir() / f"{profile}.json").read_text())["suites"]
+    built = load_suites(profile)
+    assert {t: len(spec["expectations"]) for t, spec in written.items()} == \
+        {t: len(suite.expectations) for t, suite in built.items()}
 
 
 @pytest.mark.parametrize("profile", SHIPPED)

@@ -87,6 +87,50 @@ def test_nothing_evaluated_never_passes():
     assert decide_verdict([], []).status == "inconclusive"
 
 
+def comparison_outcome(failure_means, value, success=False, unexpected=1):
+    """The comparison suite's check on gated rows that failure_means guards, as validate reports it."""
+    return ExpectationOutcome(
+        table="comparison", expectation_type="expect_column_values_to_not_be_in_set", column="decision",
+        kwargs={"column": "decision", "value_set": [value]}, success=success, table_produced=True,
+        observed={"unexpected_count": unexpected, "element_count": 12, "unexpected_values": [value] * unexpected},
+        allowed=f"not in [{value}]", meta={"source": "non-inferiority", "failure_means": failure_means})
+
+
+def test_undecided_gated_metric_is_inconclusive_not_a_breach_and_not_a_baseline():
+    # A x1.55 ratio with CI 0.90-2.56 may be a +55 % regression: it must not pass, nor fail.
+    v = decide_verdict([outcome(), comparison_outcome("undecided", "inconclusive")], [])
+    assert (v.status, v.exit_code, v.breaches) == ("inconclusive", ExitCode.UNDECIDED, [])
+    assert v.baseline_eligible is False
+    assert v.summary.failed == 0 and v.summary.passed == 1
+    [entry] = v.infra_errors
+    assert entry.startswith("undecided: comparison.decision expect_column_values_to_not_be_in_set failed "
+                            "(1 of 12 rows: ['inconclusive'])")
+    assert "not a regression" in entry and "paired mode" in entry and entry.endswith("non-inferiority")
+    assert "undecided" in v.reason and "infrastructure" not in v.reason
+
+
+def test_undecided_met_does_not_change_a_pass():
+    v = decide_verdict([outcome(), comparison_outcome("undecided", "inconclusive", success=True, unexpected=0)], [])
+    assert (v.status, v.infra_errors, v.baseline_eligible) == ("pass", [], True)
+
+
+def test_undecided_does_not_hide_a_regression():
+    # Another metric's interval lies beyond the bound: that is shown, whatever the undecided one does.
+    v = decide_verdict([comparison_outcome(None, "regression"), comparison_outcome("undecided", "inconclusive")], [])
+    assert (v.status, v.exit_code, [b.column for b in v.breaches]) == ("fail", 1, ["decision"])
+    assert v.baseline_eligible is False and v.infra_errors[0].startswith("undecided: ")
+
+
+def test_undecided_with_missing_history_is_not_a_baseline():
+    history = comparison_outcome("insufficient_data", "insufficient_data")
+    alone = decide_verdict([outcome(), history], [])
+    assert alone.status == "inconclusive" and alone.baseline_eligible  # a new key builds its history
+    both = decide_verdict([outcome(), history, comparison_outcome("undecided", "inconclusive")], [])
+    assert both.status == "inconclusive" and both.baseline_eligible is False
+    assert both.reason.startswith("1 infrastructure problem(s)")  # the undecided metric is not infra
+    assert [e.split(":")[0] for e in both.infra_errors] == ["insufficient data", "undecided"]
+
+
 def test_renderings_and_json_roundtrip():
     v = decide_verdict([outcome(success=False, observed={"unexpected_count": 1, "element_count": 3,
                                                  "unexpected_values": ["failed"]}),
