@@ -5,10 +5,13 @@ share one history database, as three nights of one gate key would:
 
 1. empty history: the relative checks cannot decide -> inconclusive (exit 2), yet the run is
    baseline-eligible so the key can build its history;
-2. the same worker again: compared with night 1 -> pass (exit 0);
+2. the same worker again: compared with night 1 -> no regression; pass (exit 0) when every
+   gated metric is shown unchanged, otherwise inconclusive (exit 2) because a gated metric is
+   undecided, and then not a baseline (with 12 requests the TTFT/TPOT/E2E medians' intervals,
+   ~0.8-1.5, are often wider than the 30 % bound);
 3. the worker with every forward pass made 5x slower (``--fault-decode-slowdown-pct 400``):
    the decode metrics regress -> fail (exit 1), with ratio and CI in the HTML report and in
-   ``servegate status``.
+   ``servegate status``, even where another gated metric is undecided.
 """
 
 from __future__ import annotations
@@ -70,15 +73,16 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 
-def _night(tmp_path: Path, *args: str, expect_exit: int) -> tuple[dict, Path, pd.DataFrame]:
+def _night(tmp_path: Path, *args: str, expect_exit: int | tuple[int, ...]) -> tuple[dict, Path, pd.DataFrame]:
     """One gate run: its verdict, run folder and comparison table; checks exit code and teardown."""
     proc = _run(tmp_path, *args)
     verdict = stdout_json(proc)
     run_dir = Path(verdict["run_dir"])
     table = run_dir / "comparison.parquet"
     comparison = pd.read_parquet(table) if table.is_file() else pd.DataFrame(columns=SHOWN)
-    assert proc.returncode == expect_exit, (f"exit {proc.returncode}, wanted {expect_exit}\n{verdict}\n"
-                                            f"{_shown(comparison)}\nstderr:\n{proc.stderr[-4000:]}")
+    wanted = expect_exit if isinstance(expect_exit, tuple) else (expect_exit,)
+    assert proc.returncode in wanted, (f"exit {proc.returncode}, wanted {expect_exit}\n{verdict}\n"
+                                       f"{_shown(comparison)}\nstderr:\n{proc.stderr[-4000:]}")
     assert not worker_processes(tmp_path), "a worker outlived its gate run"
     assert table.is_file(), f"no comparison table in {sorted(p.name for p in run_dir.iterdir())}"
     return verdict, run_dir, comparison
@@ -93,7 +97,7 @@ def _g3(value: float) -> str:
     return f"{value:.3g}"
 
 
-def test_nightly_runs_build_history_pass_unchanged_and_fail_a_decode_slowdown(tmp_path: Path):
+def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_decode_slowdown(tmp_path: Path):
     # Night 1, empty history: no baseline, so every gated relative check is insufficient data.
     verdict1, dir1, cmp1 = _night(tmp_path, expect_exit=2)
     run1 = dir1.name
@@ -108,25 +112,37 @@ def test_nightly_runs_build_history_pass_unchanged_and_fail_a_decode_slowdown(tm
     assert set(DECODE_METRICS) <= set(gated1["metric"]), _shown(cmp1)
     assert "fault injection active" not in (dir1 / "worker.log").read_text()
 
-    # Night 2, same worker: compared with night 1 and passes.
-    verdict2, dir2, cmp2 = _night(tmp_path, expect_exit=0)
+    # Night 2, same worker: compared with night 1, no regression. It passes only when every gated
+    # metric is shown unchanged; an undecided one (interval across the bound) makes it inconclusive
+    # and keeps it out of the baseline (issue 13: an undecided gated metric never passes).
+    verdict2, dir2, cmp2 = _night(tmp_path, expect_exit=(0, 2))
     run2 = dir2.name
-    assert verdict2["status"] == "pass" and verdict2["breaches"] == [] and verdict2["infra_errors"] == [], verdict2
     assert (cmp2["baseline_runs"] == run1).all(), _shown(cmp2) + f"\nbaseline_runs: {set(cmp2['baseline_runs'])}"
     gated2 = cmp2[cmp2["gated"]]
     assert set(DECODE_METRICS) <= set(gated2["metric"]), _shown(cmp2)
     assert (gated2["n_baseline_runs"] == 1).all(), _shown(cmp2)
     assert not gated2["decision"].isin(["regression", "insufficient_data"]).any(), _shown(cmp2)
+    assert verdict2["breaches"] == [], verdict2
+    if gated2["decision"].eq("inconclusive").any():
+        assert verdict2["status"] == "inconclusive" and verdict2["baseline_eligible"] is False, verdict2
+        assert verdict2["infra_errors"] and all(e.startswith("undecided") for e in verdict2["infra_errors"]), \
+            verdict2["infra_errors"]
+        baseline3 = {run1}
+    else:
+        assert verdict2["status"] == "pass" and verdict2["infra_errors"] == [], verdict2
+        baseline3 = {run1, run2}
     assert "fault injection active" not in (dir2 / "worker.log").read_text()
 
-    # Night 3, every forward pass 5x slower: the decode metrics regress against nights 1 and 2.
+    # Night 3, every forward pass 5x slower: the decode metrics regress against the baseline runs.
     verdict3, dir3, cmp3 = _night(tmp_path, *SLOWDOWN, expect_exit=1)
     run3 = dir3.name
     assert "fault injection active" in (dir3 / "worker.log").read_text()
-    assert verdict3["status"] == "fail" and verdict3["infra_errors"] == [], verdict3
+    assert verdict3["status"] == "fail", verdict3
+    # A gated metric left undecided (often TTFT here) is listed, and does not hide the regression.
+    assert all(e.startswith("undecided") for e in verdict3["infra_errors"]), verdict3["infra_errors"]
     assert any(b["table"] == "comparison" and b["column"] == "decision" for b in verdict3["breaches"]), verdict3
     assert verdict3["baseline_eligible"] is False
-    assert all(set(runs.split(",")) == {run1, run2} for runs in cmp3["baseline_runs"]), \
+    assert all(set(runs.split(",")) == baseline3 for runs in cmp3["baseline_runs"]), \
         _shown(cmp3) + f"\nbaseline_runs: {set(cmp3['baseline_runs'])}"
     decode = cmp3[cmp3["metric"].isin(DECODE_METRICS) & (cmp3["decision"] == "regression")]
     assert not decode.empty, _shown(cmp3)
@@ -151,7 +167,7 @@ def test_nightly_runs_build_history_pass_unchanged_and_fail_a_decode_slowdown(tm
     latest = status[0]
     assert latest["key"].startswith("smoke/embedded/"), latest
     assert latest["status"] == "fail" and latest["run_id"] == run3, latest
-    assert set(latest["baseline"]["run_ids"]) == {run1, run2}, latest
+    assert set(latest["baseline"]["run_ids"]) == baseline3, latest
     failing = {f["metric"]: f for f in latest["failing"]}
     for row in decode.itertuples(index=False):
         assert row.metric in failing, latest["failing"]
