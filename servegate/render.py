@@ -7,6 +7,11 @@ Breaches and infra errors carry text a server wrote (an error body, a model name
 is, it could inject HTML into a Prefect artifact or CI summary, break a Markdown table, or send
 escape sequences to a terminal: every renderer here passes it through :func:`terminal_text`,
 :func:`markdown_text`, :func:`markdown_cell` or :func:`markdown_code`.
+
+A ratio with its interval is worded here (:func:`ratio_text`; :func:`paired_text` for a metric
+of the paired stage): the paired lines of the terminal verdict and summary.md, the report's
+paired table, and ``servegate status`` (paired and comparison lines). The comparison tables of
+the report and summary.md keep their three-digit cells.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from servegate.verdict import Verdict, observed_text
@@ -22,10 +27,15 @@ from servegate.verdict import Verdict, observed_text
 __all__ = [
     "calibration_text",
     "format_verdict_table",
+    "gated_paired_rows",
+    "interval_text",
     "markdown_cell",
     "markdown_code",
     "markdown_text",
+    "paired_text",
     "percent_text",
+    "ratio_number_text",
+    "ratio_text",
     "terminal_text",
     "verdict_markdown",
 ]
@@ -84,9 +94,62 @@ def _grid(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(x.rstrip() for x in [line, sep, *body])
 
 
+def _finite(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def percent_text(value: Any) -> str:
     """A fraction as ``12.3%``; ``-`` for a missing or non-finite value."""
-    return f"{100 * float(value):.1f}%" if value is not None and math.isfinite(float(value)) else "-"
+    number = _finite(value)
+    return "-" if number is None else f"{100 * number:.1f}%"
+
+
+def ratio_number_text(value: Any) -> str:
+    """One ratio (or interval end) as ``1.0432``: four decimals below 10, because it is read against
+    bounds of a few percent, and a paired stage stops at the first round its interval clears the
+    bound, so an interval end usually lies just past it (1.015 would hide that 1.0154 clears a
+    1.5 % bound); ``-`` for a missing or non-finite value."""
+    number = _finite(value)
+    if number is None:
+        return "-"
+    return f"{number:.4f}" if abs(number) < 10 else f"{number:.4g}"
+
+
+def interval_text(ci_low: Any, ci_high: Any) -> str:
+    """A ratio's interval: ``[1.0211, 1.0664]``, or ``[unbounded]`` while it has no finite, positive
+    ends (a paired interval after one round is [0, inf]: no spread measured yet)."""
+    low, high = _finite(ci_low), _finite(ci_high)
+    if low is None or high is None or low <= 0:
+        return "[unbounded]"
+    return f"[{ratio_number_text(low)}, {ratio_number_text(high)}]"
+
+
+def ratio_text(ratio: Any, ci_low: Any, ci_high: Any) -> str:
+    """A ratio with its interval, as every text output writes it: ``×1.0432 [1.0211, 1.0664]``."""
+    return f"×{ratio_number_text(ratio)} {interval_text(ci_low, ci_high)}"
+
+
+def gated_paired_rows(paired: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows of a ``paired`` table (as records) that decide the verdict (``gated``)."""
+    return [row for row in paired if row.get("gated") == True]  # noqa: E712 - numpy's True_ is not True
+
+
+def paired_text(row: Mapping[str, Any], *, why: bool = True) -> str:
+    """One metric of the ``paired`` table for people, e.g. ``itl_median_ms: ×1.0432 [1.0211, 1.0664]
+    vs bound 1.5% -> regression after 24 rounds (every gated metric decided)``; ``why`` adds the
+    reason the rounds stopped. Untrusted: pass it through the renderer's escaping."""
+    rounds = _finite(row.get("rounds"))
+    rounds_text = "? rounds" if rounds is None else f"{rounds:.0f} round{'' if rounds == 1 else 's'}"
+    text = (f"{row.get('metric')}: {ratio_text(row.get('ratio'), row.get('ci_low'), row.get('ci_high'))} "
+            f"vs bound {percent_text(row.get('bound'))} -> {row.get('decision')} after {rounds_text}")
+    because = row.get("stopped_because")
+    if why and isinstance(because, str) and because:
+        text += f" ({because.removesuffix(f' after {rounds_text}')})"
+    return text
 
 
 def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
@@ -110,8 +173,9 @@ def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
     return text
 
 
-def format_verdict_table(verdict: Verdict) -> str:
-    """A plain-text report for the terminal: status line, breaches table, infra errors, gaps."""
+def format_verdict_table(verdict: Verdict, paired: Sequence[Mapping[str, Any]] = ()) -> str:
+    """A plain-text report for the terminal: status line, breaches table, infra errors, gaps, and
+    one line per gated metric of the run's ``paired`` table (its rows as records) when it has one."""
     s = verdict.summary
     lines = [f"VERDICT: {verdict.status.upper()} (exit {verdict.exit_code}) - {terminal_text(verdict.reason)}",
              f"expectations: {s.expectations}  passed: {s.passed}  failed: {s.failed}  "
@@ -127,6 +191,10 @@ def format_verdict_table(verdict: Verdict) -> str:
         na = set(verdict.not_applicable)
         lines += ["", "Not validated (table not produced):",
                   *(f"  - {t}{' (stage skipped / not applicable)' if t in na else ''}" for t in verdict.not_validated)]
+    gated = gated_paired_rows(paired)
+    if gated:
+        lines += ["", "Paired comparison (candidate / baseline):",
+                  *(f"  - {terminal_text(paired_text(row))}" for row in gated)]
     calibration = calibration_text(verdict.calibration)
     if calibration:
         lines += ["", f"Trust: {terminal_text(calibration)}"]

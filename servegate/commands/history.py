@@ -37,7 +37,8 @@ def add_arguments(subparsers: Any) -> None:
     """Add ``status``, ``report`` and ``baseline`` to ``subparsers`` (from ``add_subparsers``)."""
     status = subparsers.add_parser("status", help="latest verdict per gate key, with what failed and by how much",
                                    description="One line per gate key: the latest verdict, when, against which "
-                                               "baseline, the failing metrics with their ratios, attempts.")
+                                               "baseline, the failing metrics with their ratios, the gated paired "
+                                               "metrics (candidate / baseline), attempts.")
     status.add_argument("--key", action="append", default=[], metavar="PATTERN",
                         help="only keys matching: a full key, a leading part (smoke, smoke/embedded) or a "
                              "wildcard (*/sglang/*); repeatable")
@@ -80,13 +81,17 @@ def _store(args: argparse.Namespace) -> Any:
 
 # ---- status -------------------------------------------------------------------------------
 def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> list[dict[str, Any]]:
-    """One dict per gate key: latest verdict, when, baseline, failing metrics, breaches, attempts."""
+    """One dict per gate key: latest verdict, when, baseline, failing metrics, gated paired
+    metrics (ratio candidate / baseline, interval, decision, rounds), breaches, attempts."""
+    from servegate.render import gated_paired_rows
+
     latest = store.latest(since=since)
     rows = []
     for key, rec in latest.items():
         if patterns and not any(key.matches(p) for p in patterns):
             continue
-        comparison = store.tables(rec.run_id, ["comparison"]).get("comparison")
+        tables = store.tables(rec.run_id, ["comparison", "paired"])
+        comparison = tables.get("comparison")
         failing, baseline = [], None
         if comparison is not None and not comparison.empty:
             first = comparison.iloc[0]
@@ -96,8 +101,15 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
                 failing.append({"metric": r.metric, "case": r.case or None, "ratio": r.ratio,
                                 "ci_low": r.ci_low, "ci_high": r.ci_high, "bound": r.bound,
                                 "min_detectable": _finite_or_none(getattr(r, "min_detectable", None))})
+        paired = [{"metric": p["metric"], "ratio": _finite_or_none(p["ratio"]),
+                   "ci_low": _finite_or_none(p["ci_low"]), "ci_high": _finite_or_none(p["ci_high"]),
+                   "bound": _finite_or_none(p["bound"]), "decision": p["decision"], "rounds": int(p["rounds"]),
+                   "stopped_because": p["stopped_because"] if isinstance(p["stopped_because"], str) else None}
+                  for p in gated_paired_rows(tables["paired"].to_dict("records") if "paired" in tables else [])]
+        # A breach that a line above already shows (a regressing comparison, a paired decision) is not repeated.
         breaches = [b for b in rec.verdict.get("breaches") or []
-                    if not (failing and b.get("table") == "comparison")]
+                    if not (failing and b.get("table") == "comparison")
+                    and not (paired and b.get("table") == "paired" and b.get("column") == "decision")]
         report = None
         if rec.run_dir and (Path(rec.run_dir) / "report.html").is_file():
             report = str(Path(rec.run_dir) / "report.html")
@@ -105,7 +117,7 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
         rows.append({"key": str(key), "status": rec.status, "run_id": rec.run_id,
                      "started_at": rec.started_at.isoformat(), "recorded_at": rec.recorded_at.isoformat(),
                      "attempts": len(attempts), "attempt_statuses": [a.status for a in attempts],
-                     "baseline": baseline, "failing": failing, "breaches": breaches,
+                     "baseline": baseline, "failing": failing, "paired": paired, "breaches": breaches,
                      "infra_errors": rec.verdict.get("infra_errors") or [], "report": report,
                      "calibration": rec.verdict.get("calibration")})
     return rows
@@ -128,13 +140,17 @@ def _trust_text(calibration: dict[str, Any]) -> str:
 
 
 def _ratio_text(f: dict[str, Any]) -> str:
+    from servegate.render import ratio_text
+
     case = f"[{f['case']}]" if f.get("case") else ""
     det = f", smallest detectable {f['min_detectable']:.1%}" if f.get("min_detectable") is not None else ""
-    return f"{f['metric']}{case} x{f['ratio']:.3g} (CI {f['ci_low']:.3g}-{f['ci_high']:.3g}{det})"
+    return f"{f['metric']}{case} {ratio_text(f['ratio'], f['ci_low'], f['ci_high'])}{det}"
 
 
 def format_status(rows: Sequence[dict[str, Any]]) -> str:
     """The human form of :func:`status_rows`: one line per key, details indented under it."""
+    from servegate.render import paired_text
+
     if not rows:
         return "no gate runs recorded (run `servegate run`, which records to the history database)"
     width = max(len(r["key"]) for r in rows)
@@ -144,10 +160,13 @@ def format_status(rows: Sequence[dict[str, Any]]) -> str:
         attempts = f"attempt {r['attempts']} ({'/'.join(r['attempt_statuses'])})" if r["attempts"] > 1 else "1 attempt"
         if r["baseline"]:
             base = f"vs {r['baseline']['policy']} ({len(r['baseline']['run_ids'])} run(s))"
+        elif r.get("paired"):
+            base = "vs a baseline worker (paired)"
         else:
             base = "no baseline comparison"
         lines.append(f"{r['key']:<{width}}  {r['status'].upper():<12} {when}  {r['run_id']}  {attempts}  {base}")
         problems = [_ratio_text(f) for f in r["failing"]]
+        problems += [f"paired {paired_text(p, why=False)}" for p in r.get("paired") or []]
         problems += [f"{b.get('table')}.{b.get('column') or b.get('expectation')}: observed {b.get('observed')}, "
                      f"allowed {b.get('allowed')}" for b in r["breaches"]]
         problems += [f"infra: {str(e).splitlines()[0]}" for e in r["infra_errors"]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import timedelta
@@ -85,7 +86,8 @@ def test_status_one_line_per_key_with_failing_metrics_and_attempts(db: Path, cli
     assert heads[0].startswith(str(OTHER)) and " PASS " in heads[0] and "attempt 2 (inconclusive/pass)" in heads[0]
     assert heads[1].startswith(str(KEY)) and " FAIL " in heads[1] and "smoke-3" in heads[1]
     assert "vs last 5 passing (3 run(s))" in heads[1]
-    assert any("serving.itl_ms.median x1.3" in line and "CI 1." in line for line in lines)
+    itl = next(line for line in lines if "serving.itl_ms.median" in line)
+    assert re.fullmatch(r"\s+- serving\.itl_ms\.median ×1\.3\d{3} \[1\.\d{4}, 1\.\d{4}\]", itl), itl  # ratio [interval]
     assert any("serving_summary.failed: observed 3, allowed <= 0" in line for line in lines)
     assert any(line.strip().startswith("report: ") and line.strip().endswith("report.html") for line in lines)
 
