@@ -18,8 +18,9 @@ import pandas as pd
 
 from servegate.gated_metrics import GatedMetric, extract_samples
 from servegate.history import RunRecord
+from servegate.render import ratio_number_text
 
-__all__ = ["one_batch_plot", "cdf_plot", "occupancy_plot", "trend_plot"]
+__all__ = ["one_batch_plot", "cdf_plot", "occupancy_plot", "trend_plot", "paired_ratio_plot", "paired_interval_plot"]
 
 
 def _figure(width: float = 6.4, height: float = 3.4) -> Any:
@@ -153,4 +154,111 @@ def trend_plot(rows: Sequence[Mapping[str, Any]], metric: GatedMetric,
     ax.grid(alpha=0.3)
     ax.legend(fontsize="x-small", loc="best")
     fig.autofmt_xdate()
+    return _plot(name, title, fig)
+
+
+# ---- the paired stage -----------------------------------------------------------------------
+def _metric_rounds(row: Mapping[str, Any], rounds: pd.DataFrame | None) -> pd.DataFrame:
+    """The ``paired_rounds`` rows of ``row``'s metric, in round order (empty when there are none)."""
+    if rounds is None or rounds.empty or not {"metric", "round"} <= set(rounds.columns):
+        return pd.DataFrame()
+    return rounds[rounds["metric"] == row.get("metric")].sort_values("round")
+
+
+def _bound_lines(ax: Any, row: Mapping[str, Any]) -> None:
+    """The decision's bounds on the ratio scale: ×(1 + bound) and ×(1 − bound), the one a
+    regression must clear in red (which side depends on the metric's direction)."""
+    bound = row.get("bound")
+    if bound is None or not math.isfinite(bound):
+        return
+    worse_up = row.get("direction") != "higher_is_better"
+    for value, bad in ((1 + bound, worse_up), (1 - bound, not worse_up)):
+        ax.axhline(value, linestyle="--", linewidth=1, color="#cf222e" if bad else "#1a7f37",
+                   label=f"{'regression' if bad else 'improvement'} bound ×{ratio_number_text(value)}")
+    ax.axhline(1.0, color="#8c959f", linewidth=0.8)
+
+
+def _restart_lines(ax: Any, g: pd.DataFrame) -> None:
+    """A dotted line before each round that ran on freshly restarted workers."""
+    if "instance" not in g.columns:
+        return
+    changed = g["round"][g["instance"].ne(g["instance"].shift()) & g["instance"].shift().notna()]
+    for i, r in enumerate(changed):
+        ax.axvline(float(r) - 0.5, linestyle=":", color="#57606a", label="workers restarted" if i == 0 else None)
+
+
+def _round_axis(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are counted, not measured
+
+
+def _paired_title(row: Mapping[str, Any], what: str) -> str:
+    return f"Paired: {row.get('metric')} ({row.get('unit')}), {what}"
+
+
+def paired_ratio_plot(row: Mapping[str, Any], rounds: pd.DataFrame | None) -> str:
+    """One metric of the ``paired`` table: each round's candidate / baseline (``b_value / a_value``),
+    the ratio over all rounds (geometric mean) and the bound lines at 1 ± bound."""
+    name, title = f"paired_ratio:{row.get('metric')}", _paired_title(row, "candidate / baseline per round")
+    g = _metric_rounds(row, rounds)
+    if g.empty:
+        return _plot(name, title, None, "no round of the paired stage measured this metric")
+    per_round = pd.to_numeric(g["b_value"], errors="coerce") / pd.to_numeric(g["a_value"], errors="coerce")
+    finite = np.isfinite(per_round.to_numpy(dtype=float))
+    if not finite.any():
+        return _plot(name, title, None, "no round has a finite value on both sides")
+    fig = _figure()
+    ax = fig.subplots()
+    ax.plot(g["round"][finite], per_round[finite], marker="o", markersize=4, linewidth=0.8, color="#0969da",
+            label="candidate / baseline in the round", gid=f"{name}:rounds")  # the points, findable in the SVG
+    ratio = row.get("ratio")
+    if ratio is not None and math.isfinite(ratio):
+        ax.axhline(ratio, color="#0969da", linewidth=1.5, alpha=0.6,
+                   label=f"over all rounds ×{ratio_number_text(ratio)}")
+    _bound_lines(ax, row)
+    _restart_lines(ax, g)
+    _round_axis(ax)
+    ax.set_ylabel("candidate / baseline")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", loc="best")
+    return _plot(name, title, fig)
+
+
+def paired_interval_plot(row: Mapping[str, Any], rounds: pd.DataFrame | None) -> str:
+    """One metric's interval as it narrowed: after each round, the ratio so far and its
+    anytime-valid interval (``ci_low``..``ci_high``), with the bound lines and the round at which
+    the metric was first decided."""
+    name, title = f"paired_interval:{row.get('metric')}", _paired_title(row, "interval after each round")
+    g = _metric_rounds(row, rounds)
+    if g.empty:
+        return _plot(name, title, None, "no round of the paired stage measured this metric")
+    x = g["round"].to_numpy(dtype=float)
+    ratio = pd.to_numeric(g["ratio"], errors="coerce").to_numpy(dtype=float)
+    low = pd.to_numeric(g["ci_low"], errors="coerce").to_numpy(dtype=float)
+    high = pd.to_numeric(g["ci_high"], errors="coerce").to_numpy(dtype=float)
+    bounded = np.isfinite(low) & np.isfinite(high) & (low > 0)  # round 1: no spread yet, no interval
+    if not bounded.any():
+        return _plot(name, title, None, "the interval was never bounded (fewer than 2 rounds)")
+    fig = _figure()
+    ax = fig.subplots()
+    confidence = row.get("confidence")
+    level = f"{confidence:.0%} " if confidence is not None and math.isfinite(confidence) else ""
+    ax.fill_between(x[bounded], low[bounded], high[bounded], color="#0969da", alpha=0.2, linewidth=0,
+                    label=f"{level}anytime-valid interval")
+    ax.plot(x[np.isfinite(ratio)], ratio[np.isfinite(ratio)], marker=".", color="#0969da", linewidth=1,
+            label="ratio after the round")
+    _bound_lines(ax, row)
+    _restart_lines(ax, g)
+    if "decision" in g.columns:
+        decided = g[g["decision"].isin(["regression", "improvement", "no_change"])]
+        if not decided.empty:
+            first = decided.iloc[0]
+            ax.axvline(float(first["round"]), color="#57606a", linewidth=1,
+                       label=f"decided: {first['decision']} (round {int(first['round'])})")
+    _round_axis(ax)
+    ax.set_ylabel("candidate / baseline")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", loc="best")
     return _plot(name, title, fig)

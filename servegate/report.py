@@ -3,13 +3,15 @@
 - :func:`write_report` — one self-contained HTML file per run (no scripts, no external files;
   plots are inline SVG drawn with matplotlib's object API, no pyplot global state): the verdict,
   the breaches, the comparison with the baseline, one-batch latency vs batch size, serving
-  TTFT/ITL CDFs against the baseline, occupancy over time, and each gated metric's nightly trend
-  with its baseline band (baseline value x [1 - bound, 1 + bound]). The plots are
-  :mod:`servegate.plots`.
+  TTFT/ITL CDFs against the baseline, occupancy over time, each gated metric's nightly trend
+  with its baseline band (baseline value x [1 - bound, 1 + bound]), and, when the run has a
+  ``paired`` table, the paired comparison: per metric ratio, interval and decision, per gated
+  metric the per-round ratios and the interval narrowing round by round, and the provenance of
+  both workers. The plots are :mod:`servegate.plots`.
 - :func:`write_junit` — one ``<testcase>`` per expectation; breaches are ``<failure>``,
   expectations that could not be evaluated are ``<skipped>``, infra errors are ``<error>``.
-- :func:`write_markdown_summary` — the verdict, breaches and comparison as markdown (for a CI
-  job summary or a Prefect markdown artifact).
+- :func:`write_markdown_summary` — the verdict, breaches, comparison and gated paired metrics as
+  markdown (for a CI job summary or a Prefect markdown artifact).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from servegate.compare import compare_run
 from servegate.errors import ConfigError
 from servegate.gated_metrics import GATED_METRICS, GatedMetric
 from servegate.history import RunRecord, Store
-from servegate.plots import cdf_plot, occupancy_plot, one_batch_plot, trend_plot
-from servegate.render import calibration_text, markdown_cell, markdown_code, markdown_text, percent_text
+from servegate.plots import (cdf_plot, occupancy_plot, one_batch_plot, paired_interval_plot, paired_ratio_plot,
+                             trend_plot)
+from servegate.render import (calibration_text, gated_paired_rows, interval_text, markdown_cell, markdown_code,
+                              markdown_text, paired_text, percent_text, ratio_number_text)
 
 __all__ = [
     "PLOT_NAMES",
@@ -43,7 +47,9 @@ __all__ = [
 ]
 
 PLOT_NAMES = ("one_batch_latency", "serving_ttft_cdf", "serving_itl_cdf", "occupancy_over_time")
-"""Fixed plots of every report; trend plots are named ``trend:<metric>`` (one per compared metric)."""
+"""Fixed plots of every report; trend plots are named ``trend:<metric>`` (one per compared metric),
+paired plots ``paired_ratio:<metric>`` and ``paired_interval:<metric>`` (one each per gated metric
+of the ``paired`` table)."""
 
 _TREND_RUNS = 30
 _STATUS_COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "inconclusive": "#9a6700"}
@@ -94,11 +100,56 @@ def _comparison_table(comparison: pd.DataFrame | None) -> str:
     headers = ["metric", "case", "unit", "baseline", "current", "ratio", "CI", "n base", "n cur", "bound"]
     if calibrated:
         headers += ["min detectable", "false alarms ≤"]
-    table = _html_table([*headers, "decision", "note"], rows, "comparison")
-    # Colour regressions without scripts: mark their rows by position.
+    return _mark_decisions(_html_table([*headers, "decision", "note"], rows, "comparison"))
+
+
+def _mark_decisions(table: str) -> str:
+    # Colour regressions without scripts: mark their decision cells.
     for decision, css in (("regression", "bad"), ("improvement", "good")):
         table = table.replace(f"<td>{decision}</td>", f'<td class="{css}">{decision}</td>')
     return table
+
+
+def _text_or(value: Any, missing: str) -> str:
+    return value if isinstance(value, str) and value and value != "null" else missing  # NaN/None from the store
+
+
+def _paired_section(tables: Mapping[str, pd.DataFrame]) -> list[str]:
+    """The paired comparison (candidate / baseline measured side by side in rounds): the summary
+    per metric, per gated metric the per-round ratios and the narrowing interval, the workers."""
+    paired = tables.get("paired")
+    if paired is None or paired.empty:
+        return []
+    rounds, workers = tables.get("paired_rounds"), tables.get("paired_workers")
+    first = paired.iloc[0]
+    parts = ['<h2 id="paired">Paired comparison (candidate / baseline)</h2>',
+             f'<p id="paired-method">Both workers measured side by side in {first["rounds"]} round(s), '
+             f'{html.escape(_text_or(first["mode"], "?"))}, {html.escape(_text_or(first["order"], "?"))} order, '
+             f'restarted every {first["rounds_per_worker"]} rounds ({first["instances"]} instance(s) of each), '
+             f'{html.escape(_fmt(first["measure_s"], 4))} s of measurement; '
+             f'{html.escape(_text_or(first["method"], "interval"))} at {percent_text(first["confidence"])}. '
+             f'Stopped: {html.escape(_text_or(first["stopped_because"], "not recorded"))}.</p>']
+    rows = []
+    for r in paired.itertuples(index=False):
+        decision = r.decision if r.decision != "report_only" else f"report only ({r.paired_decision})"
+        rows.append([r.metric, r.unit, _text_or(r.direction, "").replace("_", " "), _fmt(r.baseline_median, 4),
+                     _fmt(r.candidate_median, 4), ratio_number_text(r.ratio), interval_text(r.ci_low, r.ci_high),
+                     percent_text(r.bound), decision, r.rounds, _text_or(r.reason, "")])
+    parts.append(_mark_decisions(_html_table(
+        ["metric", "unit", "direction", "baseline (median)", "candidate (median)", "ratio", "interval", "bound",
+         "decision", "rounds", "note"], rows, "paired")))
+    for row in gated_paired_rows(paired.to_dict("records")):
+        parts.append(paired_ratio_plot(row, rounds))
+        parts.append(paired_interval_plot(row, rounds))
+    if workers is not None and not workers.empty:
+        parts.append("<h3>Paired workers</h3>")
+        parts.append(_html_table(
+            ["side", "instance", "engine", "model", "python", "extra args", "CPUs", "pid", "launch (s)",
+             "warm-up (s)"],
+            [[w.side, w.instance, w.engine, w.model, _text_or(w.python, "default"), w.extra_args,
+              _text_or(w.cpus, "not pinned"), w.pid, w.launch_s, w.warmup_s]
+             for w in workers.itertuples(index=False)], "paired-workers"))
+    return parts
 
 
 _CSS = """
@@ -157,6 +208,7 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
                  '<p id="calibration">This gate key was never calibrated: how often its relative checks '
                  'false-alarm is unknown (run <code>servegate calibrate</code>).</p>')
     parts.append(_comparison_table(comparison))
+    parts += _paired_section(tables)
 
     by_metric = {m.metric: m for m in metrics}
     serving_median = {m.column: m for m in metrics if m.table == "serving_requests" and m.statistic == "median"}
@@ -292,11 +344,12 @@ def _md_link_target(path: str | Path) -> str:
 
 
 def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str, Any] | Any] = (),
-                           comparison: pd.DataFrame | None = None, *, run_id: str | None = None,
-                           key: str | None = None, report_path: str | Path | None = None,
-                           path: str | Path | None = None) -> str:
-    """The run's summary as markdown (verdict, breaches, regressions, comparison); written to
-    ``path`` when given, always returned (e.g. for ``prefect.artifacts.create_markdown_artifact``)."""
+                           comparison: pd.DataFrame | None = None, *, paired: pd.DataFrame | None = None,
+                           run_id: str | None = None, key: str | None = None,
+                           report_path: str | Path | None = None, path: str | Path | None = None) -> str:
+    """The run's summary as markdown (verdict, breaches, regressions, comparison, one line per
+    gated metric of the ``paired`` table); written to ``path`` when given, always returned (e.g.
+    for ``prefect.artifacts.create_markdown_artifact``)."""
     verdict_d = _as_dict(verdict)
     outs = [_as_dict(o) for o in outcomes]
     status = markdown_text(verdict_d.get("status", "unknown"))
@@ -329,6 +382,12 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
             lines.append(f"| {_md_escape(r.metric)} | {_md_escape(r.case)} | {_md_escape(r.baseline_value)} | "
                          f"{_md_escape(r.current_value)} | {mark}{_md_escape(r.ratio)}{mark} | {ci} | "
                          f"{mark}{_md_escape(r.decision)}{mark} |")
+    gated = [] if paired is None else gated_paired_rows(paired.to_dict("records"))
+    if gated:
+        lines.append("\n### Paired comparison (candidate / baseline)")
+        for row in gated:
+            mark = "**" if row.get("decision") == "regression" else ""
+            lines.append(f"- {mark}{markdown_text(paired_text(row))}{mark}")
     text = "\n".join(lines) + "\n"
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,8 @@ def record(run: GateRun, results: list[StageResult], validation: StageResult, ve
             verdict = _not_recorded(verdict, f"writing {where} failed: {exc}")
             run.folder.write_json("verdict", verdict.model_dump(mode="json"))
     write_junit(verdict, outcomes, run.path / "junit.xml")
-    markdown = write_markdown_summary(verdict, outcomes, tables.get("comparison"), run_id=run_id,
-                                      key=str(key), report_path=report_path, path=run.path / "summary.md")
+    markdown = write_markdown_summary(verdict, outcomes, tables.get("comparison"), paired=tables.get("paired"),
+                                      run_id=run_id, key=str(key), report_path=report_path,
+                                      path=run.path / "summary.md")
     publish(run.config.name, "summary", markdown, description=f"servegate {key}: {verdict.status}")
     return Recorded(verdict, run_id)
