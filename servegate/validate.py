@@ -129,8 +129,11 @@ def _build_suite(path: Path, profile: str, table: str, spec: TableSuiteSpec, *, 
             meta[_INDEX_KEY] = i
         where = f"{path}: suites.{table}.expectations[{i}] ({exp.type})"
         try:
+            # match_type "runtime": an entry replaces another only when every kwarg is the same. GX's
+            # default ("domain": type, column, row_condition) silently dropped the first of two checks
+            # of one column on the same rows (decision not insufficient_data / not inconclusive).
             suite.add_expectation_configuration(ExpectationConfiguration(type=exp.type, kwargs=dict(exp.kwargs),
-                                                                         meta=meta))
+                                                                         meta=meta), match_type="runtime")
         except GreatExpectationsError as exc:
             known = list_registered_expectation_implementations()
             close = difflib.get_close_matches(exp.type, known, n=3)

@@ -148,9 +148,9 @@ def test_default_dir_is_repo_expectations():
 
 @pytest.mark.parametrize("profile", available_profiles())
 def test_no_shipped_expectation_is_lost_when_its_suite_is_built(profile):
-    # GX upserts a suite's expectations by type, column and row_condition: a second check on the same
-    # domain (comparison.decision on gated rows: insufficient_data, then undecided) would silently
-    # replace the first. The undecided check writes its condition as a one-member "and" for that reason.
+    # GX upserts a suite's expectations by type, column and row_condition unless told to match on
+    # every kwarg (validate.py: match_type="runtime"): a second check on the same domain
+    # (comparison.decision on gated rows: insufficient_data, then undecided) would silently replace the first.
     written = json.loads((resolve_expectations_dir() / f"{profile}.json").read_text())["suites"]
     built = load_suites(profile)
     assert {t: len(spec["expectations"]) for t, spec in written.items()} == \
@@ -370,3 +370,17 @@ def test_allowed_text_forms():
     assert allowed_text("expect_column_values_to_be_between", {"min_value": 1.8, "strict_min": True}) == "> 1.8"
     assert allowed_text("expect_column_values_to_be_between", {"min_value": 1, "max_value": 2}) == ">= 1 and <= 2"
     assert allowed_text("expect_column_values_to_not_be_in_set", {"value_set": ["failed"]}) == "not in [failed]"
+
+
+def test_two_checks_of_one_column_on_the_same_rows_both_run(tmp_path):
+    # Both entries name the same type, column and plain row_condition, with different value sets:
+    # GX's default matching kept only the second (the "insufficient_data" check was lost).
+    gated = {"type": "comparison", "column": {"name": "gated"}, "operator": "==", "parameter": True}
+    entries = [{"type": "expect_column_values_to_not_be_in_set",
+                "kwargs": {"column": "decision", "value_set": [value], "row_condition": gated},
+                "meta": {"source": f"test: not {value}"}} for value in ("insufficient_data", "inconclusive")]
+    (tmp_path / "twice.json").write_text(json.dumps({"profile": "twice", "description": "test",
+                                                     "suites": {"comparison": {"expectations": entries}}}))
+    built = load_suites("twice", tmp_path)
+    assert sorted(e.value_set[0] for e in built["comparison"].expectations) == \
+        ["inconclusive", "insufficient_data"]
