@@ -62,6 +62,9 @@ __all__ = [
 VERDICT_SCHEMA_VERSION = "1"
 
 _EXEMPT_STAGE_STATUS = ("skipped", "not_applicable")
+_MORE = {"comparison": "more runs or repeats, or the paired mode",
+         "paired": "more rounds: a larger paired.max_measure_s or paired.max_rounds"}
+"""What measuring more means for an undecided row of each table."""
 
 
 class ExitCode(enum.IntEnum):
@@ -185,7 +188,7 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
     undecided = [o for o in outcomes if o.success is False and o.meta.get("failure_means") == "undecided"]
     undecided_errors = [f"undecided: {o.table}.{o.column or ''} {o.expectation_type} failed "
                         f"({observed_text(o.observed)}); not a regression, and a regression of the bound is not "
-                        f"excluded either: more measurement (more runs or repeats, or the paired mode) decides it; "
+                        f"excluded either: more measurement ({_MORE.get(o.table, _MORE['comparison'])}) decides it; "
                         f"{o.meta.get('source', '')}" for o in undecided]
     breaches = [_breach(o) for o in outcomes
                 if o.success is False and o not in insufficient and o not in undecided]
