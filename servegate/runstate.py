@@ -133,8 +133,15 @@ class GateRun:
 
         # A suite that cannot run (a typo in a type or a column) is found now, not after the
         # measurements: nothing is launched and no run folder is made.
-        load_suites(config.validate_.expectation_profile,
-                    Path(config.validate_.expectations_dir) if config.validate_.expectations_dir else None)
+        suites = load_suites(config.validate_.expectation_profile,
+                             Path(config.validate_.expectations_dir) if config.validate_.expectations_dir else None)
+        if config.is_paired and "paired" not in suites:
+            # Without a suite on its table, the paired stage's decisions would never reach the verdict.
+            raise ConfigError(f"the gate pairs its worker with a baseline, but the suites "
+                              f"{config.validate_.expectation_profile!r} have none for the 'paired' table, so no "
+                              f"paired decision could fail or pass the gate; use a paired profile's suites (e.g. "
+                              f"validate.expectation_profile=smoke-ab) or add a 'paired' suite "
+                              f"(expectations/smoke-ab.json shows one), or set paired.enabled=false")
         held = hold_device_slot()  # before the folder: a run's start is when the device became ours
         try:
             folder = RunFolder.create(parent or Path(config.output_dir), config.name)

@@ -138,3 +138,18 @@ def test_worker_cpus_pin_the_whole_tree_before_exec(tmp_path: Path):
         threads = [t.id for p in [proc, *proc.children(recursive=True)] for t in p.threads()]
         assert len(threads) > 1
         assert {tuple(os.sched_getaffinity(t)) for t in threads} == {(cpu,)}
+
+
+def test_a_paired_gate_whose_suites_cannot_judge_the_paired_table_is_refused_before_launch(tmp_path: Path):
+    from servegate.errors import ConfigError
+    from servegate.runstate import GateRun
+
+    cfg = load_config(profile="smoke", overrides=["baseline.engine=embedded", f"output_dir={tmp_path / 'runs'}"])
+    with pytest.raises(ConfigError, match="none for the 'paired' table"):
+        GateRun.open(cfg)
+    assert not (tmp_path / "runs").exists()  # nothing launched, no run folder
+    # The paired profiles' suites do judge it.
+    for profile in ("smoke-ab", "cpu-nightly-ab"):
+        run = GateRun.open(load_config(profile=profile, overrides=[f"output_dir={tmp_path / profile}"]))
+        run.close()
+        run.folder.discard()
