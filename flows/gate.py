@@ -79,4 +79,4 @@ def regression_gate(config: GateConfig | None = None, profile: str | None = None
     """
     run = GateRun.open(resolve_config(config, profile, overrides))
     recorded = measure_and_decide(run)
-    return {"verdict": recorded.verdict.model_dump(mode="json"), "run_dir": str(run.path)}
+    return {"verdict": recorded.verdict.model_dump(mode="json"), "run_dir": str(run.path), "paired": recorded.paired}

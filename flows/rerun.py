@@ -33,4 +33,4 @@ def rerun_stages(run_dir: str, stages: list[str], overrides: list[str] | None = 
     recorded = measure_and_decide(run, plan.stages, carried)
     return {"verdict": recorded.verdict.model_dump(mode="json"), "run_dir": str(run.path),
             "attempt_of": plan.attempt_of, "run_id": recorded.run_id, "stages": plan.stages,
-            "carried": sorted(plan.carried)}
+            "carried": sorted(plan.carried), "paired": recorded.paired}

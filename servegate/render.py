@@ -27,6 +27,7 @@ from servegate.verdict import Verdict, observed_text
 __all__ = [
     "calibration_text",
     "format_verdict_table",
+    "UNDECIDED_HEADING",
     "gated_paired_rows",
     "interval_text",
     "markdown_cell",
@@ -173,6 +174,10 @@ def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
     return text
 
 
+UNDECIDED_HEADING = "Undecided (not a regression, none excluded; more measurement decides)"
+"""The heading every output gives the verdict's ``undecided`` entries."""
+
+
 def format_verdict_table(verdict: Verdict, paired: Sequence[Mapping[str, Any]] = ()) -> str:
     """A plain-text report for the terminal: status line, breaches table, infra errors, gaps, and
     one line per gated metric of the run's ``paired`` table (its rows as records) when it has one."""
@@ -187,6 +192,8 @@ def format_verdict_table(verdict: Verdict, paired: Sequence[Mapping[str, Any]] =
     if verdict.infra_errors:
         lines += ["", "Infrastructure problems (not a regression):",
                   *(f"  - {terminal_text(e)}" for e in verdict.infra_errors)]
+    if verdict.undecided:
+        lines += ["", UNDECIDED_HEADING + ":", *(f"  - {terminal_text(e)}" for e in verdict.undecided)]
     if verdict.not_validated:
         na = set(verdict.not_applicable)
         lines += ["", "Not validated (table not produced):",
@@ -205,8 +212,9 @@ def _md(value: Any) -> str:
     return markdown_cell(_cell(value, 80))
 
 
-def verdict_markdown(verdict: Verdict) -> str:
-    """The verdict as Markdown (a Prefect artifact / CI summary)."""
+def verdict_markdown(verdict: Verdict, paired: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The verdict as Markdown (a Prefect artifact / CI summary); one line per gated metric of the
+    run's ``paired`` table (its rows as records) when it has one."""
     icon = {"pass": "✅", "fail": "❌", "inconclusive": "⚠️"}[verdict.status]
     s = verdict.summary
     out = [f"## {icon} Verdict: **{verdict.status}** (exit {verdict.exit_code})", "", markdown_text(verdict.reason), "",
@@ -221,6 +229,13 @@ def verdict_markdown(verdict: Verdict) -> str:
     if verdict.infra_errors:
         out += ["", "### Infrastructure problems (not a regression)", ""]
         out += [f"- {markdown_text(e)}" for e in verdict.infra_errors]
+    if verdict.undecided:
+        out += ["", f"### {UNDECIDED_HEADING}", ""]
+        out += [f"- {markdown_text(e)}" for e in verdict.undecided]
+    gated = gated_paired_rows(paired)
+    if gated:
+        out += ["", "### Paired comparison (candidate / baseline)", ""]
+        out += [f"- {markdown_text(paired_text(row))}" for row in gated]
     if verdict.not_validated:
         na = set(verdict.not_applicable)
         out += ["", "### Not validated", ""]

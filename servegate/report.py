@@ -33,7 +33,7 @@ from servegate.gated_metrics import GATED_METRICS, GatedMetric
 from servegate.history import RunRecord, Store
 from servegate.plots import (cdf_plot, occupancy_plot, one_batch_plot, paired_interval_plot, paired_ratio_plot,
                              trend_plot)
-from servegate.render import (calibration_text, gated_paired_rows, interval_text, markdown_cell, markdown_code,
+from servegate.render import (UNDECIDED_HEADING, calibration_text, gated_paired_rows, interval_text, markdown_cell, markdown_code,
                               markdown_text, paired_text, percent_text, ratio_number_text)
 
 __all__ = [
@@ -201,6 +201,10 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
     if infra:
         parts.append("<h2>Infrastructure errors</h2><ul>" + "".join(f"<li>{html.escape(str(e))}</li>" for e in infra)
                      + "</ul>")
+    undecided = verdict.get("undecided") or []
+    if undecided:
+        parts.append(f"<h2>{html.escape(UNDECIDED_HEADING)}</h2><ul>"
+                     + "".join(f"<li>{html.escape(str(e))}</li>" for e in undecided) + "</ul>")
 
     parts.append("<h2>Comparison with the baseline</h2>")
     trust = calibration_text(verdict.get("calibration"))
@@ -307,8 +311,10 @@ def write_junit(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str
     verdict_d = _as_dict(verdict)
     outs = [_as_dict(o) for o in outcomes]
     infra = [str(e) for e in verdict_d.get("infra_errors") or []]
-    suite = ET.Element("testsuite", name="servegate", tests=str(len(outs) + len(infra)),
-                       failures=str(sum(o.get("success") is False for o in outs)), errors=str(len(infra)),
+    undecided = [str(e) for e in verdict_d.get("undecided") or []]
+    suite = ET.Element("testsuite", name="servegate", tests=str(len(outs) + len(infra) + len(undecided)),
+                       failures=str(sum(o.get("success") is False for o in outs)),
+                       errors=str(len(infra) + len(undecided)),
                        skipped=str(sum(o.get("success") is None for o in outs)))
     props = ET.SubElement(suite, "properties")
     ET.SubElement(props, "property", name="verdict", value=str(verdict_d.get("status")))
@@ -324,6 +330,11 @@ def write_junit(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str
     for i, err in enumerate(infra):
         case = ET.SubElement(suite, "testcase", classname="servegate.infra", name=f"infra_error_{i + 1}")
         error = ET.SubElement(case, "error", message=err.splitlines()[0] if err else "infra error", type="infra")
+        error.text = err
+    for i, err in enumerate(undecided):
+        # Could not decide, like an infra error: an <error> (the pipeline's "broken", not "regressed").
+        case = ET.SubElement(suite, "testcase", classname="servegate.undecided", name=f"undecided_{i + 1}")
+        error = ET.SubElement(case, "error", message=err.splitlines()[0], type="undecided")
         error.text = err
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -369,6 +380,9 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
     infra = verdict_d.get("infra_errors") or []
     if infra:
         lines += ["\n### Infrastructure errors (could not decide)"] + [f"- {markdown_text(e)}" for e in infra]
+    undecided = verdict_d.get("undecided") or []
+    if undecided:
+        lines += [f"\n### {UNDECIDED_HEADING}"] + [f"- {markdown_text(e)}" for e in undecided]
     trust = calibration_text(verdict_d.get("calibration"))
     if trust:
         lines.append(f"\n**Trust:** {markdown_text(trust)}")

@@ -118,6 +118,9 @@ class Verdict(_Record):
     breaches: list[Breach] = Field(default_factory=list, description="every failed expectation")
     infra_errors: list[str] = Field(default_factory=list, description=(
         "everything that kept the gate from deciding, gated metrics left undecided included"))
+    undecided: list[str] = Field(default_factory=list, description=(
+        "gated metrics neither shown to regress nor shown unchanged (their interval straddles the bound): not "
+        "a regression and not infrastructure, but they keep the gate from passing; more measurement decides"))
     not_validated: list[str] = Field(default_factory=list, description="tables with a suite that were not produced")
     not_applicable: list[str] = Field(default_factory=list, description=(
         "tables of not_validated whose stage was skipped or not applicable, and table.column checks the engine "
@@ -219,7 +222,7 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
         reason = f"{len(breaches)} expectation(s) breached"
     elif undecided:
         status = "inconclusive"
-        reason = (f"gated metric(s) undecided ({'; '.join(observed_text(o.observed) for o in undecided)}): "
+        reason = (f"gated metric(s) undecided ({'; '.join(f'{o.table}: {observed_text(o.observed)}' for o in undecided)}): "
                   f"no regression shown and none excluded; more measurement decides")
     elif required_missing:
         status = "inconclusive"
@@ -234,7 +237,7 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
             reason += f" ({[*exempt, *inapplicable]} skipped or not applicable)"
     eligible = status == "pass" or (only_history_missing and not undecided and not unevaluated and not breaches
                                     and not required_missing)
-    return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=[*errors, *undecided_errors],
+    return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=errors, undecided=undecided_errors,
                    not_validated=missing_tables, not_applicable=[*exempt, *inapplicable], summary=summary,
                    baseline_eligible=eligible)
 

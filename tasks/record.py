@@ -24,6 +24,8 @@ class Recorded(NamedTuple):
     """The verdict as recorded: inconclusive when the run could not be kept in the history."""
     run_id: str | None
     """The run id in the store (None when the store is disabled or the write failed)."""
+    paired: list[dict] = []
+    """The ``paired`` table's rows (records), for the terminal; empty without a paired stage."""
 
 
 def _not_recorded(verdict: Verdict, error: str) -> Verdict:
@@ -69,4 +71,5 @@ def record(run: GateRun, results: list[StageResult], validation: StageResult, ve
                                       run_id=run_id, key=str(key), report_path=report_path,
                                       path=run.path / "summary.md")
     publish(run.config.name, "summary", markdown, description=f"servegate {key}: {verdict.status}")
-    return Recorded(verdict, run_id)
+    paired = tables.get("paired")
+    return Recorded(verdict, run_id, [] if paired is None else paired.to_dict(orient="records"))

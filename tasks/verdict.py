@@ -28,5 +28,7 @@ def verdict(run: GateRun, results: list[StageResult], validation: StageResult,
         result = result.model_copy(update={"calibration": calibration})
     run.folder.write_json("verdict", result.model_dump(mode="json"))
     run.folder.finish()
-    publish(run.config.name, "verdict", verdict_markdown(result), description=f"gate verdict: {result.status}")
+    paired = next((r.tables["paired"] for r in results if "paired" in r.tables), None)
+    rows = [] if paired is None else paired.to_dict(orient="records")
+    publish(run.config.name, "verdict", verdict_markdown(result, rows), description=f"gate verdict: {result.status}")
     return result

@@ -118,7 +118,8 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
                      "started_at": rec.started_at.isoformat(), "recorded_at": rec.recorded_at.isoformat(),
                      "attempts": len(attempts), "attempt_statuses": [a.status for a in attempts],
                      "baseline": baseline, "failing": failing, "paired": paired, "breaches": breaches,
-                     "infra_errors": rec.verdict.get("infra_errors") or [], "report": report,
+                     "infra_errors": rec.verdict.get("infra_errors") or [],
+                     "undecided": rec.verdict.get("undecided") or [], "report": report,
                      "calibration": rec.verdict.get("calibration")})
     return rows
 
@@ -170,6 +171,7 @@ def format_status(rows: Sequence[dict[str, Any]]) -> str:
         problems += [f"{b.get('table')}.{b.get('column') or b.get('expectation')}: observed {b.get('observed')}, "
                      f"allowed {b.get('allowed')}" for b in r["breaches"]]
         problems += [f"infra: {str(e).splitlines()[0]}" for e in r["infra_errors"]]
+        problems += [f"undecided: {str(e).splitlines()[0].removeprefix('undecided: ')}" for e in r["undecided"]]
         for p in problems:
             lines.append(f"{'':<{width}}    - {p}")
         if r.get("calibration"):

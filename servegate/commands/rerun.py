@@ -43,10 +43,10 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     result = call_flow(rerun_stages, str(run_dir), list(args.stages), overrides)
     verdict = Verdict.model_validate(result["verdict"])
     if args.json:
-        print(jsonio.dumps({**result["verdict"], **{k: v for k, v in result.items() if k != "verdict"}},
+        print(jsonio.dumps({**result["verdict"], **{k: v for k, v in result.items() if k not in ("verdict", "paired")}},
                            indent=True, ascii_only=True))
     else:
-        print(format_verdict_table(verdict))
+        print(format_verdict_table(verdict, result.get("paired") or ()))
         print(f"attempt {result['run_id'] or '(not recorded)'} of {result['attempt_of']}; "
               f"folder: {result['run_dir']}")
     return verdict.exit_code

@@ -51,6 +51,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(jsonio.dumps({**result["verdict"], "run_dir": result["run_dir"]}, indent=True, ascii_only=True))
     else:
-        print(format_verdict_table(verdict))
+        print(format_verdict_table(verdict, result.get("paired") or ()))
         print(f"run folder: {result['run_dir']}")
     return verdict.exit_code

@@ -68,13 +68,14 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     # The same run folder and verdict layout as before the redesign (issue 12: behaviour stays the
     # same), recorded from the smoke gate of commit 5910325. Added since, on purpose:
     # summary.not_applicable (issue 11, finding 8: checks the engine cannot provide); the paired
-    # stage's record (issue 13: skipped without a baseline worker).
+    # stage's record (issue 13: skipped without a baseline worker); verdict.undecided (issue 13).
     golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
     assert sorted(p.name for p in run_dir.iterdir()) == golden["files"]
     expected = golden["verdict_json"]
     expected["summary"]["not_applicable"] = "int"
+    expected["undecided"] = "list"  # issue 13: gated metrics left undecided, apart from infra errors
     assert _schema(json.loads((run_dir / "verdict.json").read_text())) == expected
-    assert sorted(verdict) == golden["stdout_json_keys"]
+    assert sorted(verdict) == sorted([*golden["stdout_json_keys"], "undecided"])
     recorded = json.loads((run_dir / "stages.json").read_text())
     assert sorted(recorded) == sorted([*golden["stages"], "paired"])
     assert all(sorted(r) == golden["stage_record_keys"] for r in recorded.values()), recorded

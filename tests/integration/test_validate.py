@@ -98,7 +98,8 @@ def test_undecided_gated_comparison_is_inconclusive_never_a_pass():
     verdict = decide_verdict(validate_tables(tables, "cpu-nightly"), [])
     assert (verdict.status, verdict.exit_code, verdict.breaches) == ("inconclusive", 2, [])
     assert verdict.baseline_eligible is False
-    [entry] = verdict.infra_errors
+    assert verdict.infra_errors == []
+    [entry] = verdict.undecided
     assert entry.startswith("undecided: comparison.decision") and "['inconclusive']" in entry, entry
     # With a regression on another gated metric the run fails: an undecided metric hides no regression.
     tables["comparison"] = comparison_table(("regression", "inconclusive"), (True, True))
@@ -114,7 +115,8 @@ def test_undecided_rule_leaves_decided_and_ungated_rows_alone(decisions, gated):
     tables = passing_tables()
     tables["comparison"] = comparison_table(decisions, gated)
     verdict = decide_verdict(validate_tables(tables, "cpu-nightly"), [])
-    assert (verdict.status, verdict.infra_errors, verdict.baseline_eligible) == ("pass", [], True)
+    assert (verdict.status, verdict.infra_errors, verdict.undecided, verdict.baseline_eligible) == \
+        ("pass", [], [], True)
 
 
 @pytest.mark.parametrize("profile", available_profiles())
@@ -128,7 +130,7 @@ def test_every_comparing_profile_keeps_an_undecided_gated_metric_from_passing(pr
     outcomes = [o for o in validate_tables(tables, config.validate_.expectation_profile) if o.table == "comparison"]
     verdict = decide_verdict(outcomes, [])
     assert verdict.status == "inconclusive" and verdict.breaches == [] and not verdict.baseline_eligible
-    assert [e.split(":")[0] for e in verdict.infra_errors] == ["undecided"]
+    assert verdict.infra_errors == [] and [e.split(":")[0] for e in verdict.undecided] == ["undecided"]
 
 
 def write_suite(directory: Path, profile: str, suites: dict) -> Path:

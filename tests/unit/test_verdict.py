@@ -102,7 +102,8 @@ def test_undecided_gated_metric_is_inconclusive_not_a_breach_and_not_a_baseline(
     assert (v.status, v.exit_code, v.breaches) == ("inconclusive", ExitCode.UNDECIDED, [])
     assert v.baseline_eligible is False
     assert v.summary.failed == 0 and v.summary.passed == 1
-    [entry] = v.infra_errors
+    assert v.infra_errors == []  # not infrastructure: its own list
+    [entry] = v.undecided
     assert entry.startswith("undecided: comparison.decision expect_column_values_to_not_be_in_set failed "
                             "(1 of 12 rows: ['inconclusive'])")
     assert "not a regression" in entry and "paired mode" in entry and entry.endswith("non-inferiority")
@@ -111,14 +112,14 @@ def test_undecided_gated_metric_is_inconclusive_not_a_breach_and_not_a_baseline(
 
 def test_undecided_met_does_not_change_a_pass():
     v = decide_verdict([outcome(), comparison_outcome("undecided", "inconclusive", success=True, unexpected=0)], [])
-    assert (v.status, v.infra_errors, v.baseline_eligible) == ("pass", [], True)
+    assert (v.status, v.infra_errors, v.undecided, v.baseline_eligible) == ("pass", [], [], True)
 
 
 def test_undecided_does_not_hide_a_regression():
     # Another metric's interval lies beyond the bound: that is shown, whatever the undecided one does.
     v = decide_verdict([comparison_outcome(None, "regression"), comparison_outcome("undecided", "inconclusive")], [])
     assert (v.status, v.exit_code, [b.column for b in v.breaches]) == ("fail", 1, ["decision"])
-    assert v.baseline_eligible is False and v.infra_errors[0].startswith("undecided: ")
+    assert v.baseline_eligible is False and v.undecided[0].startswith("undecided: ")
 
 
 def test_undecided_with_missing_history_is_not_a_baseline():
@@ -128,7 +129,8 @@ def test_undecided_with_missing_history_is_not_a_baseline():
     both = decide_verdict([outcome(), history, comparison_outcome("undecided", "inconclusive")], [])
     assert both.status == "inconclusive" and both.baseline_eligible is False
     assert both.reason.startswith("1 infrastructure problem(s)")  # the undecided metric is not infra
-    assert [e.split(":")[0] for e in both.infra_errors] == ["insufficient data", "undecided"]
+    assert [e.split(":")[0] for e in both.infra_errors] == ["insufficient data"]
+    assert [e.split(":")[0] for e in both.undecided] == ["undecided"]
 
 
 def test_renderings_and_json_roundtrip():
@@ -186,3 +188,12 @@ def test_the_verdict_module_stays_light():
             "print(sorted(m for m in ('pandas', 'great_expectations', 'servegate.validate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_undecided_entries_are_shown_under_their_own_heading_not_as_infrastructure():
+    from servegate.render import UNDECIDED_HEADING, format_verdict_table, verdict_markdown
+
+    v = decide_verdict([outcome(), comparison_outcome("undecided", "inconclusive")], [])
+    for text in (format_verdict_table(v), verdict_markdown(v)):
+        assert UNDECIDED_HEADING in text and "Infrastructure" not in text
+        assert "undecided: comparison.decision" in text
