@@ -206,12 +206,16 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
         parts.append(f"<h2>{html.escape(UNDECIDED_HEADING)}</h2><ul>"
                      + "".join(f"<li>{html.escape(str(e))}</li>" for e in undecided) + "</ul>")
 
-    parts.append("<h2>Comparison with the baseline</h2>")
-    trust = calibration_text(verdict.get("calibration"))
-    parts.append(f'<p id="calibration">{html.escape(trust)}</p>' if trust else
-                 '<p id="calibration">This gate key was never calibrated: how often its relative checks '
-                 'false-alarm is unknown (run <code>servegate calibrate</code>).</p>')
-    parts.append(_comparison_table(comparison))
+    paired = tables.get("paired")
+    # A paired-only gate compares with its baseline worker, not with the history: no empty
+    # history section (and no "never calibrated" note about checks it does not run).
+    if (comparison is not None and not comparison.empty) or paired is None or paired.empty:
+        parts.append("<h2>Comparison with the baseline</h2>")
+        trust = calibration_text(verdict.get("calibration"))
+        parts.append(f'<p id="calibration">{html.escape(trust)}</p>' if trust else
+                     '<p id="calibration">This gate key was never calibrated: how often its relative checks '
+                     'false-alarm is unknown (run <code>servegate calibrate</code>).</p>')
+        parts.append(_comparison_table(comparison))
     parts += _paired_section(tables)
 
     by_metric = {m.metric: m for m in metrics}

@@ -212,6 +212,8 @@ def test_report_has_the_paired_section_with_plots_and_workers(recorded) -> None:
     store, run_id, run_dir, tables = recorded
     text = write_report(store, run_id).read_text(encoding="utf-8")
     assert '<h2 id="paired">Paired comparison (candidate / baseline)</h2>' in text
+    # A paired-only run has no history comparison: no empty section, no "never calibrated" note.
+    assert "Comparison with the baseline" not in text and "never calibrated" not in text
     row = _gated(tables)
     n = int(row.rounds)
     assert (f"side by side in {n} round(s), interleaved, abba order, restarted every {ROUNDS_PER_WORKER} rounds "
