@@ -202,6 +202,24 @@ def watch_group(pgid: int) -> None:
             pass  # the guardian is gone; the in-process teardown still runs
 
 
+def _follow_groups(groups: set[int], tracked: dict[int, psutil.Process]) -> set[int]:
+    """Track every member of the watched process groups; return the groups that still have members.
+
+    A group found empty is forgotten at once: Linux does not reuse an id while a group of that id
+    exists, but an empty group's id may go to an unrelated process (a busy machine cycles through
+    its 32768 pids), and ending "its" members then would end a stranger's processes (another
+    gate's workers were stopped that way).
+    """
+    alive = set()
+    for pgid in groups:
+        members = group_members(pgid)
+        for proc in members:
+            tracked.setdefault(proc.pid, proc)
+        if members:
+            alive.add(pgid)
+    return alive
+
+
 def _guardian_main(owner_pid: int, fd: int) -> int:
     """The guardian's loop (runs in its own process): snapshot the owner's tree until the pipe
     closes, then end what is left of it."""
@@ -220,9 +238,7 @@ def _guardian_main(owner_pid: int, fd: int) -> int:
                     tracked.setdefault(proc.pid, proc)
         except psutil.NoSuchProcess:
             break
-        for pgid in groups:
-            for proc in group_members(pgid):
-                tracked.setdefault(proc.pid, proc)
+        groups = _follow_groups(groups, tracked)
         tracked.pop(os.getpid(), None)
         tracked = {pid: p for pid, p in tracked.items() if not _is_gone(p)}
         ready, _, _ = select.select([fd], [], [], GUARD_SNAPSHOT_S)
@@ -233,9 +249,7 @@ def _guardian_main(owner_pid: int, fd: int) -> int:
             buffered += chunk
             *lines, buffered = buffered.split(b"\n")
             groups.update(int(line) for line in lines if line.strip().isdigit())
-    for pgid in groups:
-        for proc in group_members(pgid):
-            tracked.setdefault(proc.pid, proc)
+    _follow_groups(groups, tracked)
     # The owner may still be running its own teardown (a normal exit closes the pipe last):
     # give it the same grace a worker gets before anything is signalled.
     try:
