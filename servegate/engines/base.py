@@ -74,6 +74,9 @@ class Engine(abc.ABC):
     takes_prompt_batches: ClassVar[bool]
     """The server takes a list of prompts in one generation request (the one-batch stage sends its
     whole batch so); False makes one-batch not applicable."""
+    idle_spin_s: ClassVar[float] = 0.0
+    """How long the server keeps a core busy after its last step (a busy-wait before it sleeps): the
+    paired stage lets that pass before each block, or the other side's block would pay for it."""
     api_key_env_var: ClassVar[str | None] = None
     """The environment variable the server reads its API key from; None when it only takes a
     command-line flag (visible to every user in ``ps``)."""

@@ -33,6 +33,7 @@ import pandas as pd
 
 from servegate.compare import decide_change
 from servegate.config import PAIRED_METRICS, GateConfig, PairedConfig, ServingConfig, WorkerSpec
+from servegate.engine_install import resolve_engine_python
 from servegate.engines import get_engine
 from servegate.errors import ConfigError, StageError, WorkerDiedError
 from servegate.paired.stats import Interval, ratio_interval
@@ -93,6 +94,10 @@ class PairedMeasurement:
         self.instance = -1
         self.rng = random.Random(self.p.seed)
         self.started: float | None = None
+        # The pause after each flush, before the block's load: a server's busy-wait after its last
+        # step (``Engine.idle_spin_s``: vLLM's 1 s) must not land on the measured block.
+        spin = max(get_engine(s.spec.engine).idle_spin_s for s in self.sides.values())
+        self.settle_s = spin + 0.5 if spin > 0 else 0.0
         self.stopped_because = ""
         self.restart_s: list[float] = []
 
@@ -116,7 +121,8 @@ class PairedMeasurement:
             side.tokenizer = load_prompt_tokenizer(side.spec.model)
         self.workers.append({
             "side": side.name, "instance": self.instance, "engine": side.spec.engine, "model": side.spec.model,
-            "python": side.spec.python, "extra_args": json.dumps(side.spec.extra_args),
+            "python": resolve_engine_python(side.spec.python) if side.spec.python else None,
+            "extra_args": json.dumps(side.spec.extra_args),
             "cpus": json.dumps(side.spec.cpus), "pid": side.handle.pid, "launch_s": round(launched, 3),
             "warmup_s": round(warmed, 3)})
         self.tables["paired_workers"] = pd.DataFrame(self.workers, columns=PAIRED_WORKER_COLUMNS)
@@ -151,6 +157,8 @@ class PairedMeasurement:
         engine = get_engine(side.spec.engine)
         api_key = side.spec.api_key_value()
         flush_until_idle(side.handle.base_url, engine, self.config.flush, api_key=api_key)
+        if self.settle_s:
+            time.sleep(self.settle_s)
         out = run_serving(side.handle.base_url, engine, block_config(self.config, round_index), api_key=api_key,
                           tokenizer=side.tokenizer)
         row = out.summary.iloc[0]

@@ -153,3 +153,11 @@ def test_a_paired_gate_whose_suites_cannot_judge_the_paired_table_is_refused_bef
         run = GateRun.open(load_config(profile=profile, overrides=[f"output_dir={tmp_path / profile}"]))
         run.close()
         run.folder.discard()
+
+
+def test_a_server_that_busy_waits_after_its_last_step_gets_a_pause_before_each_block(tmp_path: Path):
+    # vLLM's shm queue reader polls for 1 s after the last step; measured here, the block run second
+    # in a round paid for it (TTFT x1.4-2.7) until the pause.
+    vllm = load_config(profile="vllm-cpu-ab")
+    assert PairedMeasurement(vllm, tmp_path, register=lambda h: None, tables={}).settle_s == 1.5
+    assert PairedMeasurement(_config(), tmp_path, register=lambda h: None, tables={}).settle_s == 0.0

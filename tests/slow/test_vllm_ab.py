@@ -203,7 +203,7 @@ def test_both_workers_provenance_is_recorded(known_regression: GateRun) -> None:
                             ("candidate", config.worker, "worker.log")):
         row = workers.loc[side]
         assert (row["engine"], row["model"]) == ("vllm", "smollm2-135m")
-        assert engine_install.resolve_engine_python(row["python"]) == venv_python
+        assert row["python"] == venv_python  # the interpreter itself, not the profile's alias
         assert json.loads(row["extra_args"]) == spec.extra_args
         assert row["launch_s"] > 0
         # The command servegate ran (first line of the worker's log) starts with the venv's interpreter.
