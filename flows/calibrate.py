@@ -3,6 +3,8 @@
 Deployment entrypoint: ``flows/calibrate.py:calibrate_gate``. Each calibration run is a real
 ``regression_gate`` subflow (launch, warm-up, flushes, measurement, teardown), so the figures
 include everything a nightly run varies by: a fresh worker, its warm-up, the machine's state.
+In paired mode (``plan["mode"] == "paired"``) each run is one paired decision of the same flow
+(its own baseline and candidate workers, rounds until decided).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 
 from prefect import flow
 
-from servegate.calibrate import (COMPARED_TABLES, CalibrationPlan, CalibrationRun, analyse, figures_records,
-                                 format_calibration, measurement_seconds, run_config, schedule, summarise)
+from servegate.calibrate import (CalibrationPlan, CalibrationRun, analyse, analyse_paired, figures_records,
+                                 format_calibration, measured_tables, measurement_seconds, run_config, schedule,
+                                 summarise, summarise_paired)
 from servegate import jsonio
 from servegate.config import GateConfig
 from servegate.flows.gate import regression_gate
@@ -27,17 +30,18 @@ from servegate.tasks._artifacts import publish
 logger = logging.getLogger("servegate.flows.calibrate")
 
 
-def _load_run(index: int, slowdown_pct: float, result: dict[str, Any]) -> CalibrationRun:
+def _load_run(index: int, slowdown_pct: float, result: dict[str, Any], plan: CalibrationPlan) -> CalibrationRun:
     run = CalibrationRun(index, slowdown_pct, run_dir=result["run_dir"], status=result["verdict"]["status"])
     folder = RunFolder.open(result["run_dir"])
     stages = folder.read_json("stages") if (Path(result["run_dir"]) / "stages.json").is_file() else {}
-    run.measurement_s = measurement_seconds(stages)
+    run.measurement_s = measurement_seconds(stages, plan.mode)
     if result["verdict"].get("infra_errors"):
-        # A run that broke (worker died, flush timed out) measures the failure, not the engine.
+        # A run that broke (worker died, flush timed out) measures the failure, not the engine. (A paired
+        # decision left undecided by its budget is an outcome: the verdict lists it under `undecided`.)
         logger.warning("calibration run %d (%s) was inconclusive, left out: %s", index, run.label,
                        "; ".join(result["verdict"]["infra_errors"])[:500])
         return run
-    run.tables = {name: folder.read_table(name) for name in COMPARED_TABLES if folder.has_table(name)}
+    run.tables = {name: folder.read_table(name) for name in measured_tables(plan.mode) if folder.has_table(name)}
     return run
 
 
@@ -49,7 +53,8 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
     return its figures. The gate is a full ``config`` or a ``profile`` plus ``overrides``.
 
     Returns ``{"key", "calibration_dir", "calibration_id", "plan", "summary", "figures"}``
-    (figures as JSON records, one per metric, case and bound).
+    (figures as JSON records: one per metric, case and bound; in paired mode one per gated metric
+    and arm, and ``summary["mode"] == "paired"``).
     """
     config = resolve_config(config, profile, overrides)
     the_plan = CalibrationPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in (plan or {}).items()})
@@ -61,14 +66,19 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
     order = schedule(the_plan)
     for index, pct in enumerate(order):
         logger.info("calibration run %d/%d: %s", index + 1, len(order), "A (unchanged)" if not pct else f"+{pct:g}%")
-        result = regression_gate(config=run_config(config, pct, out / "runs"))
-        run = _load_run(index, pct, result)
+        result = regression_gate(config=run_config(config, pct, out / "runs", the_plan.mode))
+        run = _load_run(index, pct, result, the_plan)
         runs.append(run)
         (out / "runs.json").write_text(jsonio.dumps([r.record() for r in runs], indent=True))
-    figures, comparisons, _ = analyse(runs, the_plan, tail_bound=config.compare.tail_bound)
-    summary = summarise(runs, figures, comparisons, the_plan, tail_bound=config.compare.tail_bound)
+    if the_plan.mode == "paired":
+        figures, decisions = analyse_paired(runs, the_plan)
+        summary = summarise_paired(runs, figures, decisions, the_plan)
+        decisions.to_csv(out / "decisions.csv", index=False)
+    else:
+        figures, comparisons, _ = analyse(runs, the_plan, tail_bound=config.compare.tail_bound)
+        summary = summarise(runs, figures, comparisons, the_plan, tail_bound=config.compare.tail_bound)
+        comparisons.drop(columns=["baseline_runs"]).to_csv(out / "comparisons.csv", index=False)
     figures.to_csv(out / "calibration.csv", index=False)
-    comparisons.drop(columns=["baseline_runs"]).to_csv(out / "comparisons.csv", index=False)
     records = figures_records(figures)
     calibration_id = None
     if record and config.store.enabled:

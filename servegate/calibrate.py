@@ -37,6 +37,29 @@ Then the figures are recorded in the history database (``calibrations``); the co
 of later gate runs of the key uses ``run_sd`` and attaches ``false_alarm_upper95`` and
 ``min_detectable`` to each comparison row, and the verdict carries the calibration summary.
 Calibration runs themselves go to their own run folders and are not recorded as gate history.
+
+**Paired mode** (``CalibrationPlan.mode == "paired"``, ``servegate calibrate --paired``): each run
+is one decision of the config's ``paired`` stage (its own baseline and candidate workers, rounds
+until decided or out of budget; the other measurement stages are off), made by the same gate
+flow as any paired gate. A/A decisions measure the config as is (baseline and candidate must be
+the same build); a slowdown decision gives the decode fault to the candidate only. The bound is
+``paired.bound``, the one the stopping rule decided against: a sequential decision cannot be
+re-decided at another bound after it stopped. Per gated metric and arm (A/A, each slowdown):
+
+=========================== ===============================================================
+``decisions``               decisions that produced a ``paired`` table (broken runs left out)
+``regressions``             of them decided ``regression`` (A/A: false alarms; else detections)
+``regression_rate``         with its exact two-sided 95 % interval ``rate_low95``/``rate_high95``
+``false_alarm_upper95``     A/A only: exact one-sided 95 % upper bound of the false-alarm rate
+``median_rounds``           rounds and measurement seconds (first round to decision) to a
+``median_measure_s``        decision, or to the budget when undecided
+``median_ratio``            the metric's candidate/baseline ratio the arm measured, and the ITL
+``median_itl_ratio``        ratio (what the injected slowdown did to the metric the gate reads)
+=========================== ===============================================================
+
+The summary (``"mode": "paired"``) keeps the history summary's keys where they mean the same
+(``aa_runs``, ``ab_runs``, ``gate_false_alarms`` at the paired bound, ``measurement_s_per_decision``)
+and every decision (verdict, per-metric decision, ratio, interval, rounds, seconds) under ``runs``.
 """
 
 from __future__ import annotations
@@ -52,7 +75,7 @@ import pandas as pd
 from scipy import stats
 
 from servegate import jsonio
-from servegate.calibration_plan import CalibrationPlan
+from servegate.calibration_plan import CalibrationMode, CalibrationPlan
 from servegate.compare import DEFAULT_TAIL_BOUND, compare_tables, decide_change, estimate_run_noise
 from servegate.config import GateConfig
 from servegate.errors import ConfigError, InfraError
@@ -68,9 +91,14 @@ __all__ = [
     "run_config",
     "analyse",
     "summarise",
+    "paired_decisions",
+    "analyse_paired",
+    "summarise_paired",
     "format_calibration",
+    "measured_tables",
     "COMPARED_STAGES",
     "COMPARED_TABLES",
+    "PAIRED_TABLES",
 ]
 
 COMPARED_TABLES: tuple[str, ...] = tuple(dict.fromkeys(m.table for m in GATED_METRICS))
@@ -78,6 +106,8 @@ COMPARED_TABLES: tuple[str, ...] = tuple(dict.fromkeys(m.table for m in GATED_ME
 COMPARED_STAGES: tuple[str, ...] = tuple(s for s in MEASUREMENT_STAGES if s in {TABLE_STAGE[t] for t in COMPARED_TABLES})
 """Stages whose wall time counts as measurement: those producing compared tables (launch,
 warm-up, flushes and quality do not)."""
+PAIRED_TABLES: tuple[str, ...] = ("paired",)
+"""What a paired calibration run keeps: the decision per metric (its rounds are in the run folder)."""
 SLOWDOWN_FLAG = "--fault-decode-slowdown-pct"
 DETECTION_TARGET = 0.95
 
@@ -104,8 +134,9 @@ class CalibrationRun:
 
 
 def schedule(plan: CalibrationPlan) -> list[float]:
-    """The slowdown of each run in order (0 = A): two A runs, then interleaved rounds."""
-    order = [0.0] * min(2, plan.aa_runs)
+    """The slowdown of each run in order (0 = A): two A runs (history mode: the first comparison
+    needs an earlier A run; paired decisions stand alone), then interleaved rounds."""
+    order = [0.0] * min(2 if plan.mode == "history" else 0, plan.aa_runs)
     remaining_a = plan.aa_runs - len(order)
     rounds = max(remaining_a, plan.runs_per_slowdown if plan.slowdowns_pct else 0)
     for r in range(rounds):
@@ -116,9 +147,11 @@ def schedule(plan: CalibrationPlan) -> list[float]:
     return order
 
 
-def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path) -> GateConfig:
-    """The gate config of one calibration run: the measurement stages only, nothing recorded,
-    and for an A/B run the decode slowdown appended to the worker's launch arguments."""
+def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path,
+               mode: CalibrationMode = "history") -> GateConfig:
+    """The gate config of one calibration run: nothing recorded, and for an A/B run the decode
+    slowdown appended to the (candidate) worker's launch arguments. History mode measures the
+    compared stages only; paired mode the paired stage only."""
     if slowdown_pct and config.worker.engine != "embedded":
         raise ConfigError(f"injected slowdowns need the embedded worker's decode fault; engine "
                           f"{config.worker.engine!r} has none. Calibrate A/A only with --slowdowns ''")
@@ -128,6 +161,13 @@ def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path) -> Gat
     data["store"]["enabled"] = False
     data["report"]["html"] = False
     data["quality"]["enabled"] = False  # quality is an absolute check, never compared with a baseline
+    if mode == "paired":
+        _check_paired_aa(config)
+        data["paired"]["enabled"] = True
+        for stage in ("one_batch", "serving", "occupancy"):  # the gate's own worker is not launched at all
+            data[stage]["enabled"] = False
+    else:
+        data["paired"]["enabled"] = False  # its table is not what a history comparison reads
     args = [a for a in data["worker"]["extra_args"]]
     if SLOWDOWN_FLAG in args:
         raise ConfigError(f"the config already sets {SLOWDOWN_FLAG} in worker.extra_args; calibrate an "
@@ -138,10 +178,38 @@ def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path) -> Gat
     return GateConfig.model_validate(data)
 
 
-def measurement_seconds(stages: Mapping[str, Mapping[str, Any]]) -> float:
-    """Wall time of the measurement stages of one run (from its ``stages.json``)."""
+_BUILD_FIELDS = ("engine", "model", "python", "extra_args", "env", "memory_profile", "memory",
+                 "speculative_num_draft_tokens", "enable_metrics")
+"""What makes a worker the build it is (where it listens, its CPUs and its key do not)."""
+
+
+def _check_paired_aa(config: GateConfig) -> None:
+    # A/A means the same build on both sides: a release config (old baseline, new candidate)
+    # would measure the change itself, and every "false alarm" could be a real regression.
+    if config.baseline is None:
+        raise ConfigError("paired calibration needs a baseline worker next to the candidate: use a config with "
+                          "[baseline] (e.g. --profile smoke-ab)")
+    a = config.baseline.model_dump(include=set(_BUILD_FIELDS))
+    b = config.worker.model_dump(include=set(_BUILD_FIELDS))
+    differ = [f for f in _BUILD_FIELDS if a.get(f) != b.get(f)]
+    if differ:
+        raise ConfigError(f"paired calibration measures A/A decisions, so baseline and worker must be the same "
+                          f"build; they differ in {differ} (baseline {[a[f] for f in differ]}, worker "
+                          f"{[b[f] for f in differ]}). Calibrate with both set alike (--set worker.<field>=... or "
+                          f"baseline.<field>=...)")
+
+
+def measured_tables(mode: CalibrationMode) -> tuple[str, ...]:
+    """The tables a calibration run of ``mode`` keeps for the analysis."""
+    return PAIRED_TABLES if mode == "paired" else COMPARED_TABLES
+
+
+def measurement_seconds(stages: Mapping[str, Mapping[str, Any]], mode: CalibrationMode = "history") -> float:
+    """Wall time of the measurement stages of one run (from its ``stages.json``): the compared
+    stages, or in paired mode the paired stage (which includes its workers' launches)."""
+    counted = ("paired",) if mode == "paired" else COMPARED_STAGES
     return float(sum(float(s.get("duration_s") or 0.0) for name, s in stages.items()
-                     if name in COMPARED_STAGES and s.get("status") == "ok"))
+                     if name in counted and s.get("status") == "ok"))
 
 
 # ---- analysis -------------------------------------------------------------------------------
@@ -169,6 +237,14 @@ def _comparisons(runs: Sequence[CalibrationRun], plan: CalibrationPlan, run_nois
 def _upper95(k: int, n: int) -> float:
     # The one-sided 95 % upper bound is the upper end of the two-sided 90 % Clopper-Pearson interval.
     return float(stats.binomtest(k, n).proportion_ci(confidence_level=0.90, method="exact").high) if n else math.nan
+
+
+def _exact95(k: int, n: int) -> tuple[float, float]:
+    """The two-sided 95 % Clopper-Pearson interval of a rate k/n."""
+    if not n:
+        return math.nan, math.nan
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 def _min_detectable(rows: pd.DataFrame, bound: float) -> float:
@@ -250,6 +326,7 @@ def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons
         gate_level[f"{bound:g}"] = {"comparisons": n, "false_alarms": flagged,
                                     "false_alarm_upper95": _upper95(flagged, n)}
     return {
+        "mode": "history",
         "runs": [r.record() for r in runs],
         "aa_runs": sum(1 for r in runs if r.slowdown_pct == 0 and r.tables),
         "ab_runs": sum(1 for r in runs if r.slowdown_pct and r.tables),
@@ -260,9 +337,153 @@ def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons
 
 
 
-def format_calibration(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str:
-    """The calibration as a plain-text table for a terminal."""
+# ---- paired mode ----------------------------------------------------------------------------
+PAIRED_DECISION_COLUMNS = ["run", "slowdown_pct", "arm", "status", "gate_decision", "metric", "gated", "direction",
+                           "decision", "ratio", "ci_low", "ci_high", "bound", "rounds", "measure_s",
+                           "stopped_because", "itl_ratio"]
+"""``paired_decisions``: one row per calibration decision and paired metric (``decision`` is what
+the interval says, gated or not; ``gate_decision`` the run's over its gated metrics)."""
+
+
+def _gate_decision(decisions: Sequence[str]) -> str:
+    """A paired run's decision over its gated metrics, as its verdict reads them: any regression
+    fails it, any undecided metric leaves it inconclusive, else it passes."""
+    if any(d == "regression" for d in decisions):
+        return "regression"
+    if not decisions or any(d == "inconclusive" for d in decisions):
+        return "inconclusive"
+    return "pass"
+
+
+def paired_decisions(runs: Sequence[CalibrationRun]) -> pd.DataFrame:
+    """Every paired decision's rows, from each run's ``paired`` table (runs without one, left out
+    because they broke, give none)."""
+    rows = []
+    for run in runs:
+        table = run.tables.get("paired")
+        if table is None or table.empty:
+            continue
+        itl = table.loc[table["metric"] == "itl_median_ms", "ratio"]
+        itl_ratio = float(itl.iloc[0]) if len(itl) else math.nan
+        gate_decision = _gate_decision(list(table.loc[table["gated"].astype(bool), "paired_decision"]))
+        for r in table.itertuples(index=False):
+            rows.append({"run": run.index, "slowdown_pct": run.slowdown_pct, "arm": run.label, "status": run.status,
+                         "gate_decision": gate_decision, "metric": r.metric, "gated": bool(r.gated),
+                         "direction": r.direction, "decision": r.paired_decision, "ratio": float(r.ratio),
+                         "ci_low": float(r.ci_low), "ci_high": float(r.ci_high), "bound": float(r.bound),
+                         "rounds": int(r.rounds), "measure_s": float(r.measure_s),
+                         "stopped_because": r.stopped_because, "itl_ratio": itl_ratio})
+    return pd.DataFrame(rows, columns=PAIRED_DECISION_COLUMNS)
+
+
+def _median(values: pd.Series) -> float:
+    vals = values.to_numpy(dtype=float)
+    vals = vals[np.isfinite(vals)]
+    return float(np.median(vals)) if vals.size else math.nan
+
+
+def analyse_paired(runs: Sequence[CalibrationRun], plan: CalibrationPlan) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(figures, decisions)`` of a paired calibration (module docstring): figures one row per
+    gated metric and arm, decisions one row per decision and metric."""
+    decisions = paired_decisions(runs)
+    a_runs = decisions.loc[decisions["slowdown_pct"] == 0, "run"].nunique() if len(decisions) else 0
+    if a_runs < 1:
+        raise InfraError("no A/A paired decision produced a paired table; calibration needs at least 1 (see the "
+                         "runs' verdicts and their worker.log / baseline-worker.log files, then calibrate again)")
+    gated = decisions[decisions["gated"]]
+    figures = []
+    for metric, of_metric in gated.groupby("metric", sort=False):
+        for pct in (0.0, *plan.slowdowns_pct):
+            rows = of_metric[of_metric["slowdown_pct"] == pct]
+            n, k = len(rows), int((rows["decision"] == "regression").sum())
+            low, high = _exact95(k, n)
+            figures.append({
+                "metric": metric, "case": "", "statistic": "paired", "direction": of_metric["direction"].iloc[0],
+                "bound": float(of_metric["bound"].iloc[0]), "arm": "A/A" if pct == 0 else f"+{pct:g}%",
+                "slowdown_pct": pct, "decisions": n, "regressions": k,
+                "no_change": int((rows["decision"] == "no_change").sum()),
+                "improvements": int((rows["decision"] == "improvement").sum()),
+                "inconclusive": int((rows["decision"] == "inconclusive").sum()),
+                "regression_rate": k / n if n else math.nan, "rate_low95": low, "rate_high95": high,
+                "false_alarm_upper95": _upper95(k, n) if pct == 0 else math.nan,
+                "median_rounds": _median(rows["rounds"]), "median_measure_s": _median(rows["measure_s"]),
+                "median_ratio": _median(rows["ratio"]), "median_itl_ratio": _median(rows["itl_ratio"]),
+            })
+    return pd.DataFrame(figures), decisions
+
+
+def summarise_paired(runs: Sequence[CalibrationRun], figures: pd.DataFrame, decisions: pd.DataFrame,
+                     plan: CalibrationPlan) -> dict[str, Any]:
+    """Gate-level figures of a paired calibration, with the history summary's keys where they mean
+    the same, and every decision under ``runs``."""
+    per_run = decisions.drop_duplicates("run").set_index("run") if len(decisions) else pd.DataFrame()
+    records = []
+    for run in runs:
+        rec = run.record()
+        if run.index in per_run.index:
+            first = per_run.loc[run.index]
+            rows = decisions[(decisions["run"] == run.index) & decisions["gated"]]
+            rec.update({"gate_decision": first["gate_decision"], "rounds": int(first["rounds"]),
+                        "measure_s": float(first["measure_s"]), "stopped_because": first["stopped_because"],
+                        "itl_ratio": float(first["itl_ratio"]),
+                        "metrics": {r.metric: {"decision": r.decision, "ratio": r.ratio, "ci_low": r.ci_low,
+                                               "ci_high": r.ci_high} for r in rows.itertuples(index=False)}})
+        else:
+            rec["gate_decision"] = None  # broke: left out
+        records.append(rec)
+    bound = float(decisions["bound"].iloc[0]) if len(decisions) else math.nan
+    aa = per_run[per_run["slowdown_pct"] == 0] if len(per_run) else per_run
+    n_aa, k_aa = len(aa), int((aa["gate_decision"] == "regression").sum()) if len(aa) else 0
+    detections = {}
+    for pct in plan.slowdowns_pct:
+        arm = per_run[per_run["slowdown_pct"] == pct] if len(per_run) else per_run
+        k = int((arm["gate_decision"] == "regression").sum()) if len(arm) else 0
+        low, high = _exact95(k, len(arm))
+        detections[f"{pct:g}"] = {"decisions": len(arm), "detections": k, "rate_low95": low, "rate_high95": high}
+    return {
+        "mode": "paired",
+        "bound": bound,
+        "runs": records,
+        "aa_runs": n_aa,
+        "ab_runs": int((per_run["slowdown_pct"] > 0).sum()) if len(per_run) else 0,
+        "left_out": sum(1 for r in records if r["gate_decision"] is None),
+        "measurement_s_per_run": float(np.median([r.measurement_s for r in runs if math.isfinite(r.measurement_s)]
+                                                 or [math.nan])),
+        "measurement_s_per_decision": _median(aa["measure_s"]) if len(aa) else math.nan,
+        "gate_false_alarms": {f"{bound:g}": {"comparisons": n_aa, "false_alarms": k_aa,
+                                             "false_alarm_upper95": _upper95(k_aa, n_aa)}},
+        "gate_detections": detections,
+    }
+
+
+def _format_paired(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str:
     from tabulate import tabulate
+
+    rows = []
+    for r in figures.itertuples(index=False):
+        rate = (f"{r.regressions}/{r.decisions} = {percent_text(r.regression_rate)} "
+                f"[{percent_text(r.rate_low95)}, {percent_text(r.rate_high95)}]")
+        rows.append([r.metric, r.arm, rate, percent_text(r.false_alarm_upper95), f"{r.inconclusive}",
+                     f"{r.median_rounds:g}", f"{r.median_measure_s:.0f}", f"x{r.median_ratio:.4f}",
+                     f"x{r.median_itl_ratio:.4f}"])
+    headers = ["metric", "arm", "regressions (95% CI)", "false-alarm upper95", "undecided", "median rounds",
+               "median s", "ratio", "ITL ratio"]
+    lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True), ""]
+    lines.append(f"paired decisions at bound {percent_text(summary['bound'])}: {summary['aa_runs']} A/A, "
+                 f"{summary['ab_runs']} with a slowdown, {summary['left_out']} left out (broke); measurement per "
+                 f"A/A decision {summary['measurement_s_per_decision']:.0f} s (median, first round to decision)")
+    for bound, g in summary["gate_false_alarms"].items():
+        lines.append(f"gate-level false alarms at bound {percent_text(float(bound))}: {g['false_alarms']}/"
+                     f"{g['comparisons']} A/A decisions (95% upper bound {percent_text(g['false_alarm_upper95'])})")
+    return "\n".join(lines)
+
+
+def format_calibration(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str:
+    """The calibration as a plain-text table for a terminal (either mode)."""
+    from tabulate import tabulate
+
+    if summary.get("mode") == "paired":
+        return _format_paired(figures, summary)
 
     det_cols = [c for c in figures.columns if c.startswith("detected_")]
     ratio_cols = [c for c in figures.columns if c.startswith("ratio_")]

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from servegate.calibration_plan import CalibrationPlan
+from servegate.calibration_plan import PAIRED_DEFAULTS, CalibrationPlan
 from servegate.commands.run import add_config_source, load_gate_config
 from servegate.errors import ConfigError
 
@@ -31,15 +31,28 @@ def add_arguments(subparsers: Any) -> None:
         description="Run the gate repeatedly on an unchanged worker (A/A) and with injected decode slowdowns "
                     "(A/B), report per gated metric the false-alarm rate and the smallest regression detected "
                     ">= 95% of the time, and record them so that later verdicts of the gate key carry them. "
+                    "With --paired, each run is one decision of the config's paired stage (baseline against "
+                    "candidate in rounds; the slowdown goes to the candidate only), and the report is per arm: "
+                    "false alarms, detections, rounds and seconds to a decision. "
                     "Exit 0 when the figures were measured, 2 when they could not be.")
     add_config_source(p, set_help="override a config field (repeatable), as for `servegate run`")
-    p.add_argument("--aa-runs", type=int, default=CalibrationPlan.aa_runs, help="unchanged-worker runs (default 6)")
-    p.add_argument("--slowdowns", default=",".join(f"{x:g}" for x in CalibrationPlan.slowdowns_pct),
-                   help="injected decode slowdowns in %% (default 5,10,30; '' for A/A only)")
-    p.add_argument("--runs-per-slowdown", type=int, default=CalibrationPlan.runs_per_slowdown,
-                   help="runs per injected slowdown (default 2)")
-    p.add_argument("--bounds", default=",".join(f"{x:g}" for x in CalibrationPlan.bounds),
-                   help="minimum effects to evaluate, as fractions (default 0.02,0.05)")
+    p.add_argument("--paired", action="store_true",
+                   help="calibrate the paired stage's decisions (needs a config with [baseline], e.g. "
+                        "--profile smoke-ab) instead of history comparisons")
+    p.add_argument("--aa-runs", type=int, default=None,
+                   help=f"unchanged-worker runs (default {CalibrationPlan.aa_runs}; with --paired: A/A decisions, "
+                        f"default {PAIRED_DEFAULTS['aa_runs']})")
+    p.add_argument("--slowdowns", default=None,
+                   help=f"injected decode slowdowns in %% (default "
+                        f"{','.join(f'{x:g}' for x in CalibrationPlan.slowdowns_pct)}, with --paired "
+                        f"{','.join(f'{x:g}' for x in PAIRED_DEFAULTS['slowdowns_pct'])}; '' for A/A only)")
+    p.add_argument("--runs-per-slowdown", type=int, default=None,
+                   help=f"runs per injected slowdown (default {CalibrationPlan.runs_per_slowdown}; with --paired: "
+                        f"decisions, default {PAIRED_DEFAULTS['runs_per_slowdown']})")
+    p.add_argument("--bounds", default=None,
+                   help=f"minimum effects to evaluate, as fractions (default "
+                        f"{','.join(f'{x:g}' for x in CalibrationPlan.bounds)}; not with --paired, whose decisions "
+                        f"are made against paired.bound: --set paired.bound=0.02)")
     p.add_argument("--baseline-n", type=int, default=None,
                    help="A runs each comparison pools (default: the config's compare.n)")
     p.add_argument("--output-dir", help="calibration folder (default <output_dir>/calibration-<gate>-<time>)")
@@ -47,6 +60,22 @@ def add_arguments(subparsers: Any) -> None:
     p.add_argument("--no-record", action="store_true", help="print the figures without recording them")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     p.set_defaults(func=cmd_calibrate)
+
+
+def _plan(args: argparse.Namespace, compare_n: int) -> CalibrationPlan:
+    defaults = PAIRED_DEFAULTS if args.paired else {}
+    if args.paired and (args.bounds is not None or args.baseline_n is not None):
+        raise ConfigError("--bounds and --baseline-n are history comparison settings; a paired decision is made "
+                          "against paired.bound as it runs (--set paired.bound=0.02)")
+    slowdowns = (_floats(args.slowdowns, "--slowdowns") if args.slowdowns is not None
+                 else defaults.get("slowdowns_pct", CalibrationPlan.slowdowns_pct))
+    return CalibrationPlan(
+        aa_runs=args.aa_runs if args.aa_runs is not None else defaults.get("aa_runs", CalibrationPlan.aa_runs),
+        slowdowns_pct=slowdowns,
+        runs_per_slowdown=(args.runs_per_slowdown if args.runs_per_slowdown is not None
+                           else defaults.get("runs_per_slowdown", CalibrationPlan.runs_per_slowdown)),
+        bounds=_floats(args.bounds, "--bounds") if args.bounds is not None else CalibrationPlan.bounds,
+        baseline_n=args.baseline_n or compare_n, mode="paired" if args.paired else "history")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -57,11 +86,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from servegate.verdict import ExitCode
 
     config = load_gate_config(args, [f"store.url={args.db}"] if args.db else [])
-    plan = CalibrationPlan(aa_runs=args.aa_runs, slowdowns_pct=_floats(args.slowdowns, "--slowdowns"),
-                           runs_per_slowdown=args.runs_per_slowdown, bounds=_floats(args.bounds, "--bounds"),
-                           baseline_n=args.baseline_n or config.compare.n)
-    for pct in plan.slowdowns_pct:  # refuse a plan that cannot run before the first run, not after it
-        run_config(config, pct, Path(config.output_dir))
+    plan = _plan(args, config.compare.n)
+    for pct in (0.0, *plan.slowdowns_pct):  # refuse a plan that cannot run before the first run, not after it
+        run_config(config, pct, Path(config.output_dir), plan.mode)
 
     from servegate.flows.calibrate import calibrate_gate
     from servegate.runstate import call_flow

@@ -1,8 +1,10 @@
 """`servegate calibrate` end to end: real gate runs of the embedded worker (tiny model), A/A and an
-injected decode slowdown, figures recorded, and the next gate verdict of the key carrying them."""
+injected decode slowdown, figures recorded, and the next gate verdict of the key carrying them; and
+`calibrate --paired`: real paired decisions of smoke-ab, A/A and a slowdown of the candidate."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,4 +90,55 @@ def test_calibrate_refuses_a_slowdown_an_engine_cannot_inject_before_running_any
                           timeout=120)
     assert proc.returncode == 2
     assert "embedded worker's decode fault" in proc.stderr and "--slowdowns ''" in proc.stderr
+    assert not (tmp_path / "history.db").exists()
+
+
+def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(tmp_path: Path) -> None:
+    # Real paired decisions of smoke-ab (two SmolLM2 workers each), kept short: 3 rounds before the
+    # first look, 180 s of measurement at most. A +100 % forward-pass slowdown (a sleep, which a busy
+    # machine cannot shrink) moves ITL far past a 5 % bound; the same build on both sides does not.
+    out = tmp_path / "calibration"
+    sets = ["paired.min_rounds=3", "paired.max_measure_s=180", "paired.bound=0.05"]
+    proc = subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired",
+                           "--aa-runs", "1", "--slowdowns", "100", "--runs-per-slowdown", "1", "--output-dir",
+                           str(out), "--json", *[a for s in sets for a in ("--set", s)]],
+                          cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    doc = stdout_json(proc)
+    assert doc["key"] == "smoke-ab/embedded/cpu-2core/smollm2-135m" and doc["plan"]["mode"] == "paired"
+    summary = doc["summary"]
+    assert summary["mode"] == "paired" and summary["bound"] == 0.05 and summary["left_out"] == 0
+    aa_run, slow_run = summary["runs"]
+    assert (aa_run["slowdown_pct"], slow_run["slowdown_pct"]) == (0, 100)
+    assert slow_run["gate_decision"] == "regression" and slow_run["status"] == "fail", slow_run
+    assert aa_run["gate_decision"] != "regression", aa_run
+    for run in (aa_run, slow_run):
+        assert 3 <= run["rounds"] and 0 < run["measure_s"] <= 180 and Path(run["run_dir"]).is_dir()
+        itl = run["metrics"]["itl_median_ms"]
+        assert itl["ci_low"] <= itl["ratio"] <= itl["ci_high"]
+    # The fault went to the candidate only, and only in the slowdown decision.
+    configs = [json.loads((Path(r["run_dir"]) / "config.json").read_text()) for r in (aa_run, slow_run)]
+    assert [c["worker"]["extra_args"] for c in configs] == [[], ["--fault-decode-slowdown-pct", "100"]]
+    assert [c["baseline"]["extra_args"] for c in configs] == [[], []]
+
+    arms = {f["arm"]: f for f in doc["figures"]}
+    assert set(arms) == {"A/A", "+100%"} and {f["metric"] for f in doc["figures"]} == {"itl_median_ms"}
+    assert arms["A/A"]["decisions"] == 1 and arms["A/A"]["regressions"] == 0
+    assert arms["A/A"]["false_alarm_upper95"] == pytest.approx(0.95)  # 0 of 1: all an exact bound can say
+    assert arms["+100%"]["regressions"] == 1 and arms["+100%"]["median_itl_ratio"] > 1.3
+    assert (out / "calibration.csv").is_file() and (out / "decisions.csv").is_file()
+    with Store(str(tmp_path / "history.db")) as store:
+        assert store.runs() == []  # decisions are measurements, not gate history
+        stored = store.latest_calibration(GateKey.parse(doc["key"]))
+    assert stored is not None and stored["id"] == doc["calibration_id"]
+    assert stored["summary"]["mode"] == "paired" and stored["summary"]["gate_detections"]["100"]["detections"] == 1
+    assert [m["arm"] for m in stored["metrics"]] == ["A/A", "+100%"]
+    assert not worker_processes(tmp_path)
+
+
+def test_paired_calibration_refuses_a_config_without_a_baseline_before_running_anything(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke", "--paired"],
+                          cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "needs a baseline worker" in proc.stderr and "smoke-ab" in proc.stderr
     assert not (tmp_path / "history.db").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from scipy.stats import beta
 
 from servegate.calibrate import (SLOWDOWN_FLAG, CalibrationPlan, CalibrationRun, analyse, format_calibration,
                                  measurement_seconds, run_config, schedule, summarise)
@@ -163,3 +164,136 @@ def test_stored_calibration_floors_run_noise_and_annotates_the_comparison(tmp_pa
     assert {m["metric"] for m in carried["metrics"]} >= {"serving.itl_ms.median", "serving.tpot_ms.median"}
     text = calibration_text(carried)
     assert "4 A/A" in text and "false alarms 0/3" in text and "serving.tpot_ms.median" in text
+
+
+# ---- paired mode --------------------------------------------------------------------------------
+def _paired_table(itl: tuple[float, float, float], decision: str, rounds: int, measure_s: float,
+                  bound: float = 0.015) -> pd.DataFrame:
+    """A paired stage's table: ITL gated (ratio, interval, decision), TTFT reported only."""
+    from servegate.tables import PAIRED_COLUMNS
+
+    common = {"rounds": rounds, "measure_s": measure_s, "bound": bound, "confidence": 0.95,
+              "stopped_because": f"every gated metric decided after {rounds} rounds", "instances": 2,
+              "mode": "interleaved", "order": "abba", "rounds_per_worker": 4,
+              "method": "asymptotic confidence sequence"}
+    ratio, lo, hi = itl
+    rows = [{**common, "metric": "itl_median_ms", "column": "median_itl_ms", "unit": "ms",
+             "direction": "lower_is_better", "gated": True, "ratio": ratio, "ci_low": lo, "ci_high": hi,
+             "decision": decision, "paired_decision": decision},
+            {**common, "metric": "ttft_median_ms", "column": "median_ttft_ms", "unit": "ms",
+             "direction": "lower_is_better", "gated": False, "ratio": 1.0, "ci_low": 0.9, "ci_high": 1.1,
+             "decision": "report_only", "paired_decision": "inconclusive"}]
+    return pd.DataFrame(rows, columns=PAIRED_COLUMNS)
+
+
+def _paired_runs() -> list[CalibrationRun]:
+    plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0, 30.0), runs_per_slowdown=2, mode="paired")
+    outcome = {0.0: [((1.002, 0.99, 1.012), "no_change", 8), ((1.01, 0.995, 1.03), "inconclusive", 40),
+                     ((1.03, 1.016, 1.045), "regression", 12)],
+               3.0: [((1.025, 1.017, 1.035), "regression", 14), ((1.02, 1.005, 1.035), "inconclusive", 40)],
+               30.0: [((1.28, 1.2, 1.35), "regression", 6), ((1.3, 1.22, 1.38), "regression", 6)]}
+    runs = []
+    for i, pct in enumerate(schedule(plan)):
+        itl, decision, rounds = outcome[pct].pop(0)
+        runs.append(CalibrationRun(i, pct, run_dir=f"/runs/{i}", status="pass", measurement_s=100.0 + i,
+                                   tables={"paired": _paired_table(itl, decision, rounds, 9.0 * rounds)}))
+    return runs
+
+
+def test_paired_schedule_interleaves_from_the_first_decision() -> None:
+    plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0, 30.0), runs_per_slowdown=2, mode="paired")
+    assert schedule(plan) == [0, 3, 30, 0, 3, 30, 0]
+    assert schedule(CalibrationPlan(aa_runs=1, slowdowns_pct=(), mode="paired")) == [0]
+    with pytest.raises(ConfigError, match="at least 1 A/A"):
+        CalibrationPlan(aa_runs=0, mode="paired")
+    with pytest.raises(ConfigError, match="'history' or 'paired'"):
+        CalibrationPlan(mode="bayes")  # type: ignore[arg-type]
+
+
+def test_paired_run_config_slows_the_candidate_only_and_measures_the_paired_stage_only(tmp_path: Path) -> None:
+    config = load_config(profile="smoke-ab")
+    a = run_config(config, 0, tmp_path, "paired")
+    b = run_config(config, 3, tmp_path, "paired")
+    assert a.worker.extra_args == [] and b.worker.extra_args == [SLOWDOWN_FLAG, "3"]
+    assert a.baseline is not None and b.baseline is not None
+    assert a.baseline.extra_args == b.baseline.extra_args == []
+    for cfg in (a, b):
+        assert cfg.is_paired and not cfg.compare.enabled and not cfg.store.enabled
+        assert not (cfg.one_batch.enabled or cfg.serving.enabled or cfg.occupancy.enabled or cfg.quality.enabled)
+        assert cfg.paired == config.paired  # the gate's paired rule as is
+    # History calibration does not run the paired stage: its table is not what it compares.
+    assert not run_config(config, 0, tmp_path).paired.enabled
+    with pytest.raises(ConfigError, match=r"needs a baseline worker.*smoke-ab"):
+        run_config(load_config(profile="smoke"), 0, tmp_path, "paired")
+    release = load_config(profile="smoke-ab", overrides=["baseline.python=/opt/old/bin/python"])
+    with pytest.raises(ConfigError, match=r"same build; they differ in \['python'\]"):
+        run_config(release, 0, tmp_path, "paired")
+
+
+def test_paired_figures_per_arm_false_alarms_detections_rounds() -> None:
+    from servegate.calibrate import analyse_paired, summarise_paired
+
+    runs = _paired_runs()
+    plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0, 30.0), runs_per_slowdown=2, mode="paired")
+    figures, decisions = analyse_paired(runs, plan)
+    assert len(decisions) == 2 * len(runs)  # every metric of every decision, gated or not
+    assert list(figures["arm"]) == ["A/A", "+3%", "+30%"] and set(figures["metric"]) == {"itl_median_ms"}
+    aa, three, thirty = (figures.iloc[i] for i in range(3))
+    assert aa["decisions"] == 3 and aa["regressions"] == 1 and aa["no_change"] == 1 and aa["inconclusive"] == 1
+    assert aa["false_alarm_upper95"] == pytest.approx(beta.ppf(0.95, 1 + 1, 3 - 1))  # exact, one-sided: 1 of 3
+    assert aa["bound"] == 0.015 and aa["median_rounds"] == 12 and aa["median_measure_s"] == pytest.approx(108)
+    assert three["regression_rate"] == 0.5 and math.isnan(three["false_alarm_upper95"])
+    assert three["rate_low95"] < 0.5 < three["rate_high95"]
+    assert thirty["regression_rate"] == 1.0 and thirty["rate_high95"] == 1.0
+    assert thirty["rate_low95"] == pytest.approx(0.025 ** 0.5)  # 2/2: the exact lower bound
+    assert thirty["median_itl_ratio"] == pytest.approx(1.29) and thirty["median_rounds"] == 6
+    summary = summarise_paired(runs, figures, decisions, plan)
+    assert summary["mode"] == "paired" and summary["bound"] == 0.015
+    assert summary["aa_runs"] == 3 and summary["ab_runs"] == 4 and summary["left_out"] == 0
+    assert summary["gate_false_alarms"]["0.015"]["false_alarms"] == 1
+    assert summary["gate_detections"]["30"]["detections"] == 2
+    first = summary["runs"][0]
+    assert first["gate_decision"] == "pass" and first["rounds"] == 8
+    assert first["metrics"]["itl_median_ms"] == {"decision": "no_change", "ratio": 1.002, "ci_low": 0.99,
+                                                 "ci_high": 1.012}
+    text = format_calibration(figures, summary)
+    assert "+30%" in text and "2/2 = 100.0%" in text and "gate-level false alarms at bound 1.5%: 1/3" in text
+
+
+def test_a_broken_paired_decision_is_left_out_and_none_is_an_infra_error() -> None:
+    from servegate.calibrate import analyse_paired, summarise_paired
+
+    plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0, 30.0), runs_per_slowdown=2, mode="paired")
+    runs = _paired_runs()
+    runs[1].tables = {}  # its worker died: no table
+    figures, decisions = analyse_paired(runs, plan)
+    assert figures.set_index("arm").loc["+3%", "decisions"] == 1
+    summary = summarise_paired(runs, figures, decisions, plan)
+    assert summary["left_out"] == 1 and summary["runs"][1]["gate_decision"] is None
+    for run in runs:
+        if run.slowdown_pct == 0:
+            run.tables = {}
+    with pytest.raises(InfraError, match="no A/A paired decision"):
+        analyse_paired(runs, plan)
+
+
+def test_a_stored_paired_calibration_reads_as_one(tmp_path: Path) -> None:
+    from servegate.calibrate import analyse_paired, figures_records, summarise_paired
+
+    plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0, 30.0), runs_per_slowdown=2, mode="paired")
+    runs = _paired_runs()
+    figures, decisions = analyse_paired(runs, plan)
+    summary = summarise_paired(runs, figures, decisions, plan)
+    key = GateKey("smoke-ab", "embedded", "cpu-2core", "smollm2-135m")
+    with Store(str(tmp_path / "h.db")) as store:
+        store.record_calibration(key, plan=plan.as_dict(), summary=summary, metrics=figures_records(figures))
+        stored = store.latest_calibration(key)
+    assert stored is not None and stored["plan"]["mode"] == "paired" and stored["summary"]["mode"] == "paired"
+    assert "bounds" not in stored["plan"]  # the decisions were made against paired.bound (summary["bound"])
+    assert [m["arm"] for m in stored["metrics"]] == ["A/A", "+3%", "+30%"]
+    noise, _ = calibration_figures(stored, 0.015)
+    assert noise == {}  # no run noise: nothing to floor a history comparison with
+    carried = calibration_summary(stored, 0.015)
+    assert carried["aa_runs"] == 3 and carried["gate_false_alarms_at_bound"]["false_alarms"] == 1
+    assert "3 A/A" in calibration_text(carried)
+
