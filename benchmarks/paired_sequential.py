@@ -64,11 +64,12 @@ def one_decision(p: PairedConfig, rng: np.random.Generator, *, true_ratio: float
     log_true = math.log(true_ratio)
     offset = float(rng.normal(0.0, instance_sd))  # the first instances, launched before the clock starts
     logs: list[float] = []
+    instances: list[int] = []
     elapsed = 0.0
     while True:
         r = len(logs)
         restart = r > 0 and r % p.rounds_per_worker == 0
-        interval, decision = decide_metric(logs, direction, p)
+        interval, decision = decide_metric(logs, direction, p, instances)
         reason = stop_reason(p, r, decided=decision != "inconclusive", elapsed_s=elapsed,
                              next_round_s=block_s + (restart_s if restart else 0.0))
         if reason is not None:
@@ -77,6 +78,7 @@ def one_decision(p: PairedConfig, rng: np.random.Generator, *, true_ratio: float
             offset = float(rng.normal(0.0, instance_sd))
             elapsed += restart_s
         logs.append(log_true + offset + _round_noise(rng, noise, round_sd))
+        instances.append(r // p.rounds_per_worker)
         elapsed += block_s
 
 

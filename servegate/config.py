@@ -459,10 +459,16 @@ class PairedConfig(_Model):
     requests_per_block: int = Field(4, ge=1, description="streaming requests per block, sent at once")
     input_len: int = Field(64, ge=1, description="prompt tokens per request (random prompts, fresh each round)")
     output_len: int = Field(64, ge=2, description="generated tokens per request (ignore_eos)")
-    min_rounds: int = Field(6, ge=3, description="rounds before the first decision is looked at")
+    min_rounds: int = Field(10, ge=3, description="rounds before the first decision is looked at")
+    min_units: int = Field(10, ge=3, description=(
+        "independent samples the interval must rest on before a decision: worker instance pairs when the "
+        "workers restart during the measurement (rounds_per_worker < max_rounds), else rounds. The asymptotic "
+        "sequence is anti-conservative on fewer (benchmarks/paired_sequential.py)"))
     max_rounds: int = Field(200, ge=3, description="stop after this many rounds (undecided metrics: inconclusive)")
     max_measure_s: Seconds = Field(600.0, description="measurement budget: no round starts that would end past it")
-    rounds_per_worker: int = Field(4, ge=1, description="restart both workers every this many rounds")
+    rounds_per_worker: int = Field(2, ge=1, description=(
+        "restart both workers every this many rounds (one AB + BA pair per instance at 2); the interval is "
+        "then over instance pairs, whose offsets (memory layout, allocator, threads) it samples"))
     bound: float = Field(0.015, gt=0, lt=1, description="the smallest change that counts (0.015 = 1.5 %)")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="coverage of the confidence sequence, over all rounds")
     gated: list[str] = Field(default_factory=lambda: ["itl_median_ms"], description=(

@@ -166,12 +166,15 @@ class Store:
                 summary=jsonio.to_jsonable(dict(summary)), metrics=jsonio.to_jsonable(list(metrics))))
             return int(result.inserted_primary_key[0])
 
-    def latest_calibration(self, key: GateKey) -> dict[str, Any] | None:
-        """The newest calibration of ``key`` (``id, key, at, plan, summary, metrics``), or None."""
+    def latest_calibration(self, key: GateKey, mode: str = "history") -> dict[str, Any] | None:
+        """The newest calibration of ``key`` (``id, key, at, plan, summary, metrics``) in ``mode``
+        (``history``: of the comparison with earlier runs; ``paired``: ``calibrate --paired``), or None.
+        A newer calibration of the other mode does not hide it (its figures mean something else)."""
         where = key_match(calibrations, key)
         with self._db.reading("reading calibrations") as conn:
-            row = conn.execute(sa.select(calibrations).where(where)
-                               .order_by(calibrations.c.at.desc(), calibrations.c.id.desc()).limit(1)).mappings().first()
+            rows = conn.execute(sa.select(calibrations).where(where)
+                                .order_by(calibrations.c.at.desc(), calibrations.c.id.desc())).mappings().all()
+        row = next((r for r in rows if ((r["summary"] or {}).get("mode") or "history") == mode), None)
         if row is None:
             return None
         return {"id": row["id"], "key": str(key), "at": aware_utc(row["at"]), "servegate_version": row["servegate_version"],

@@ -98,7 +98,7 @@ def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(t
     # first look, 180 s of measurement at most. A +100 % forward-pass slowdown (a sleep, which a busy
     # machine cannot shrink) moves ITL far past a 5 % bound; the same build on both sides does not.
     out = tmp_path / "calibration"
-    sets = ["paired.min_rounds=3", "paired.max_measure_s=180", "paired.bound=0.05"]
+    sets = ["paired.min_rounds=3", "paired.min_units=3", "paired.max_measure_s=180", "paired.bound=0.05"]
     proc = subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired",
                            "--aa-runs", "1", "--slowdowns", "100", "--runs-per-slowdown", "1", "--output-dir",
                            str(out), "--json", *[a for s in sets for a in ("--set", s)]],
@@ -129,7 +129,7 @@ def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(t
     assert (out / "calibration.csv").is_file() and (out / "decisions.csv").is_file()
     with Store(str(tmp_path / "history.db")) as store:
         assert store.runs() == []  # decisions are measurements, not gate history
-        stored = store.latest_calibration(GateKey.parse(doc["key"]))
+        stored = store.latest_calibration(GateKey.parse(doc["key"]), mode="paired")
     assert stored is not None and stored["id"] == doc["calibration_id"]
     assert stored["summary"]["mode"] == "paired" and stored["summary"]["gate_detections"]["100"]["detections"] == 1
     assert [m["arm"] for m in stored["metrics"]] == ["A/A", "+100%"]

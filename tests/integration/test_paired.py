@@ -40,7 +40,8 @@ def _measure(tmp_path: Path, *overrides: str) -> tuple[PairedMeasurement, list]:
 
 def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_path: Path):
     m, launched = _measure(tmp_path, 'worker.extra_args=["--fault-decode-slowdown-pct","300"]',
-                           "paired.min_rounds=4", "paired.rounds_per_worker=2", "paired.bound=0.10",
+                           "paired.min_rounds=4", "paired.min_units=3", "paired.rounds_per_worker=2",
+                           "paired.bound=0.10",
                            "paired.max_measure_s=300")
     paired = m.tables["paired"].set_index("metric")
     itl = paired.loc["itl_median_ms"]
@@ -79,7 +80,8 @@ def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_pa
 def test_a_a_is_never_a_regression_and_the_budget_stops_it(tmp_path: Path):
     # The same worker on both sides, a bound of 10 % and a budget of a few rounds: whatever the
     # machine does meanwhile, ABBA order and pairing keep A/A from looking like a regression.
-    m, launched = _measure(tmp_path, "paired.min_rounds=3", "paired.rounds_per_worker=3", "paired.bound=0.10",
+    m, launched = _measure(tmp_path, "paired.min_rounds=3", "paired.min_units=3", "paired.rounds_per_worker=3",
+                           "paired.bound=0.10",
                            "paired.max_measure_s=25")
     itl = m.tables["paired"].set_index("metric").loc["itl_median_ms"]
     assert itl["decision"] in ("no_change", "inconclusive", "improvement"), m.tables["paired_rounds"].to_string()

@@ -67,7 +67,8 @@ def paired_tables(*, max_measure_s: float = 600.0) -> dict[str, pd.DataFrame]:
         r = len(values)
         restart = r > 0 and r % p.rounds_per_worker == 0
         decided = r >= p.min_rounds and all(
-            decide_metric(logs(m, r), PAIRED_METRICS[m][1], p)[1] != "inconclusive" for m in p.gated)
+            decide_metric(logs(m, r), PAIRED_METRICS[m][1], p, instance_of[:r])[1] != "inconclusive"
+            for m in p.gated)
         stopped_because = stop_reason(p, r, decided=decided, elapsed_s=elapsed,
                                       next_round_s=BLOCK_S + (RESTART_S if restart else 0.0))
         if stopped_because is not None:
@@ -85,7 +86,7 @@ def paired_tables(*, max_measure_s: float = 600.0) -> dict[str, pd.DataFrame]:
     rows = []
     for i, v in enumerate(values):
         for metric, (_, direction) in PAIRED_METRICS.items():
-            iv, decision = decide_metric(logs(metric, i + 1), direction, p)
+            iv, decision = decide_metric(logs(metric, i + 1), direction, p, instance_of[:i + 1])
             a, b = v[metric]
             rows.append({"round": i + 1, "instance": instance_of[i], "order": "AB" if i % 2 == 0 else "BA",
                          "metric": metric, "a_value": a, "b_value": b, "log_ratio": math.log(b / a),
@@ -93,7 +94,7 @@ def paired_tables(*, max_measure_s: float = 600.0) -> dict[str, pd.DataFrame]:
                          "block_s": BLOCK_S})
     summary = []
     for metric, (column, direction) in PAIRED_METRICS.items():
-        iv, decision = decide_metric(logs(metric, n), direction, p)
+        iv, decision = decide_metric(logs(metric, n), direction, p, instance_of[:n])
         summary.append({
             "metric": metric, "column": column, "unit": UNITS[metric], "direction": direction,
             "gated": metric in p.gated, "rounds": n, "baseline_median": float(np.median([v[metric][0] for v in values])),
@@ -160,7 +161,7 @@ def _expected_line(row: pd.Series, *, why: bool = True) -> str:
 def test_the_simulated_tables_are_what_the_stage_would_write() -> None:
     tables = paired_tables()
     row = _gated(tables)
-    assert row.decision == "regression" and row.rounds == 18 and row.instances == 5
+    assert row.decision == "regression" and row.rounds == 19 and row.instances == 10
     assert row.ci_low > 1 + BOUND and row.ratio == pytest.approx(1.043, abs=0.01)
     assert set(tables["paired"].loc[~tables["paired"]["gated"], "decision"]) == {"report_only"}
     assert list(tables["paired"]["paired_decision"]) == ["regression", "regression", "no_change", "inconclusive",

@@ -451,3 +451,7 @@ def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(tmp_path: 
         assert latest["key"] == str(KEY) and latest["at"].tzinfo is not None
         other = GateKey("other", KEY.engine, KEY.hardware, KEY.model)
         assert s.latest_calibration(other) is None
+        # A newer paired calibration does not hide the history one from the comparison (nor the reverse).
+        paired = s.record_calibration(KEY, plan={"mode": "paired"}, summary={"mode": "paired"}, metrics=[])
+        assert s.latest_calibration(KEY)["id"] == second
+        assert s.latest_calibration(KEY, mode="paired")["id"] == paired
