@@ -109,11 +109,15 @@ def test_duet_mode_pins_each_worker_to_its_cpus(tmp_path: Path):
     launched: list = []
     tables: dict = {}
     cfg = _config("paired.mode=duet", f"worker.cpus=[{b}]", f"baseline.cpus=[{a}]", "paired.min_rounds=3",
-                  "paired.max_rounds=3", "paired.rounds_per_worker=10")
+                  "paired.max_rounds=3", "paired.rounds_per_worker=2")
     PairedMeasurement(cfg, tmp_path, register=register, tables=tables).run()
-    workers = tables["paired_workers"].set_index("side")
-    assert seen[int(workers.loc["baseline", "pid"])] == [a]
-    assert seen[int(workers.loc["candidate", "pid"])] == [b]
+    workers = tables["paired_workers"].set_index(["side", "instance"])
+    assert seen[int(workers.loc[("baseline", 0), "pid"])] == [a]
+    assert seen[int(workers.loc[("candidate", 0), "pid"])] == [b]
+    # The next instance pair swaps the CPU sets: a slower core is not turned into a ratio.
+    assert seen[int(workers.loc[("baseline", 1), "pid"])] == [b]
+    assert seen[int(workers.loc[("candidate", 1), "pid"])] == [a]
+    assert json.loads(workers.loc[("baseline", 1), "cpus"]) == [b]
     rounds = tables["paired_rounds"]
     assert set(rounds["order"]) == {"A+B"} and rounds["round"].max() == 3
     assert tables["paired"].set_index("metric").loc["itl_median_ms", "stopped_because"].startswith("max_rounds")
