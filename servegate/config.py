@@ -12,7 +12,7 @@ parameters. Code that sends the key calls ``WorkerSpec.api_key_value()``; ``work
 names an environment variable that holds it, so that no file has to. Memory budgets (one model
 per engine, the named memory profiles) live in ``servegate.budgets``.
 
-Why one module of ~500 lines: it is one schema (the sections of ``GateConfig`` and the
+Why one module of ~650 lines: it is one schema (the sections of ``GateConfig`` and the
 validators that tie them together: secrets, durations, per-engine budgets), read top to bottom
 by whoever writes a profile; split by section, every validator would import every other section.
 """
