@@ -185,13 +185,21 @@ class PairedMeasurement:
         names = {"A": "baseline", "B": "candidate"}
         t0 = time.perf_counter()
         values: dict[str, dict[str, float]] = {}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        try:
             if self.p.mode == "duet":
                 futures = {names[s]: pool.submit(self._block, self.sides[names[s]], r) for s in order}
                 values = {name: f.result() for name, f in futures.items()}
             else:
                 for s in order:  # a thread per block, so that client_cpus pins only the load generator
                     values[names[s]] = pool.submit(self._block, self.sides[names[s]], r).result()
+        except BaseException:
+            # SIGTERM, Ctrl-C or the other block's failure: stop the workers first, so that a block
+            # still waiting on one fails at once instead of holding the teardown for its timeout.
+            self._stop_all()
+            raise
+        finally:
+            pool.shutdown(wait=True)
         self.rounds.append({"round": r + 1, "instance": self.instance, "order": order if self.p.mode != "duet"
                             else "A+B", "block_s": time.perf_counter() - t0, **{k: v for k, v in values.items()}})
         self.check_alive()

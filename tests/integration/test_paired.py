@@ -126,7 +126,9 @@ def test_duet_mode_pins_each_worker_to_its_cpus(tmp_path: Path):
 def test_a_worker_that_dies_fails_the_measurement_and_leaves_nothing(tmp_path: Path):
     launched: list = []
     tables: dict = {}
-    m = PairedMeasurement(_config('worker.extra_args=["--fault-crash-after-requests","6"]', "paired.min_rounds=3"),
+    # No restarts: the candidate must live long enough to crash (after its 6th request, in round 2).
+    m = PairedMeasurement(_config('worker.extra_args=["--fault-crash-after-requests","6"]', "paired.min_rounds=3",
+                                  "paired.rounds_per_worker=50", "paired.max_measure_s=120"),
                           tmp_path, register=launched.append, tables=tables)
     with pytest.raises(Exception) as info:
         m.run()
