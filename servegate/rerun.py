@@ -39,7 +39,7 @@ from servegate.config import GateConfig, apply_overrides
 from servegate.errors import ConfigError
 from servegate.results import REDACTED, RunFolder, StageRecord
 from servegate.runstate import GateRun
-from servegate.stages import MEASUREMENT_STAGES
+from servegate.stages import MEASUREMENT_STAGES, STAGES
 
 __all__ = ["RERUN_FILE", "ATTEMPTS_DIR", "RerunPlan", "resolve_run_dir", "plan_rerun", "open_attempt"]
 
@@ -156,8 +156,15 @@ def plan_rerun(run_dir: str | Path, stages: list[str], overrides: list[str] | No
     config = _attempt_config(source, overrides)
 
     def enabled(stage: str) -> bool:
+        # The paired stage runs only beside a baseline worker (skipped without one, like a disabled stage).
+        if STAGES[stage].own_workers and config.baseline is None:
+            return False
         return bool(getattr(getattr(config, stage, None), "enabled", True))
 
+    unpaired = [s for s in ordered if STAGES[s].own_workers and config.baseline is None]
+    if unpaired:
+        raise ConfigError(f"{unpaired} needs a baseline worker, and the run's config has none ([baseline]); "
+                          f"re-run another stage, or run a paired gate (e.g. --profile smoke-ab)")
     disabled = [s for s in ordered if not enabled(s)]
     if disabled:
         raise ConfigError(f"{disabled} disabled in the run's config; enable with "
