@@ -151,3 +151,14 @@ def test_device_slot_is_off_when_unset_and_missing_limit_is_an_error(monkeypatch
     monkeypatch.setenv(DEVICE_SLOT_ENV, "gpu-test-0")
     with pytest.raises(ConfigError, match="prefect gcl create device-gpu-test-0 --limit 1"):
         hold_device_slot()
+
+
+def test_a_run_without_a_baseline_carries_its_skipped_paired_stage(tmp_path: Path):
+    from servegate.stages import RERUNNABLE
+
+    run = _crashed_run(tmp_path, "occupancy.enabled=false", occupancy="disabled")
+    run.skipped("paired", "skipped", "no baseline worker configured (set [baseline] to measure the worker against it)")
+    plan = plan_rerun(run.path, ["serving"], rerunnable=RERUNNABLE)
+    assert plan.stages == ["serving"] and sorted(plan.carried) == ["occupancy", "one_batch", "paired"]
+    with pytest.raises(ConfigError, match=r"\['paired'\] needs a baseline worker"):
+        plan_rerun(run.path, ["paired"], rerunnable=RERUNNABLE)
