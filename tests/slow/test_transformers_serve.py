@@ -117,7 +117,8 @@ def test_the_gate_passes_end_to_end(gate: GateRun) -> None:
     assert gate.verdict["status"] == "pass", gate.explain()
     assert {name: s["status"] for name, s in gate.stages.items()} == {
         "launch": "ok", "warmup": "ok", "one_batch": "skipped", "flush:serving": "ok", "serving": "ok",
-        "occupancy": "not_applicable", "quality": "not_applicable", "compare": "skipped", "validate": "ok"}
+        "occupancy": "not_applicable", "quality": "not_applicable", "paired": "skipped", "compare": "skipped",
+        "validate": "ok"}  # paired: no baseline worker configured
     import pandas as pd
 
     summary = pd.read_parquet(gate.run_dir / "serving_summary.parquet").iloc[0]
