@@ -325,6 +325,11 @@ class ServingConfig(_Model):
     slo_tpot_ms: Milliseconds | None = None
     slo_e2e_ms: Milliseconds | None = None
     max_dispatch_lag_p99_ms: Milliseconds = Field(50.0, description="client fell behind past this")
+    invalid_client_retries: int = Field(
+        1, ge=0, le=5,
+        description="times the load is flushed and run again when the client was not valid (fell behind or "
+                    "its arrivals did not fit): a host stall of the load generator, not the engine; each "
+                    "discarded attempt is kept as serving_requests_discarded_<n>")
     request_timeout_s: Seconds = 600.0
     progress: bool = True
 

@@ -74,6 +74,8 @@ class StageRecord(_Record):
     duration_s: float | None = Field(None, ge=0, description="wall time of the stage in seconds")
     tables: list[str] = Field(default_factory=list, description="files this stage wrote, relative to the run folder")
     started_at: datetime | None = Field(None, description="UTC start time")
+    remarks: list[str] = Field(default_factory=list,
+                               description="how the stage measured, when a reader should know (a discarded attempt)")
 
 
 class RunManifest(_Record):

@@ -52,6 +52,8 @@ class StageResult:
     duration_s: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
     """What a later step needs besides tables (e.g. compare's calibration summary, launch's URL)."""
+    remarks: list[str] = field(default_factory=list)
+    """What a reader of the run should know about how it was measured (e.g. a discarded attempt)."""
     complete: bool = False
     """The measurement ran to its end (its tables are whole), even if the stage then failed."""
     started: float = field(default_factory=time.perf_counter, repr=False)
@@ -66,13 +68,13 @@ class StageResult:
 
         tables = sorted(self.tables) if self.ok or self.complete else []
         return StageRecord(stage=self.stage, status=self.status, error=self.error,
-                           duration_s=round(self.duration_s, 3), tables=tables)
+                           duration_s=round(self.duration_s, 3), tables=tables, remarks=list(self.remarks))
 
     @classmethod
     def from_record(cls, record: "StageRecord", tables: dict[str, pd.DataFrame]) -> "StageResult":
         """A stage an earlier attempt measured, taken as it was (``servegate rerun``)."""
         return cls(stage=record.stage, status=record.status, tables=dict(tables), error=record.error,
-                   duration_s=float(record.duration_s or 0.0), complete=True)
+                   duration_s=float(record.duration_s or 0.0), remarks=list(record.remarks), complete=True)
 
 
 def tables_of(results: "list[StageResult]") -> dict[str, pd.DataFrame]:
@@ -171,14 +173,29 @@ def _one_batch(run: RunContext, result: StageResult) -> None:
 
 def _serving(run: RunContext, result: StageResult) -> None:
     from servegate.bench.datasets import load_prompt_tokenizer
+    from servegate.bench.flush import flush_until_idle
     from servegate.bench.protocol import protocol_for
     from servegate.bench.serving import run_serving
 
     # A text-only protocol gets its prompts decoded by the model's tokenizer, loaded once per run.
     wire = protocol_for(run.engine, run.config.serving.protocol)
     tokenizer = load_prompt_tokenizer(run.config.worker.model) if wire.needs_text_prompts else None
-    out = run_serving(run.base_url, run.engine, run.config.serving, api_key=run.api_key, tokenizer=tokenizer,
-                      partial=result.tables)
+    cfg = run.config.serving
+    discarded: list[str] = []
+    for attempt in range(1, cfg.invalid_client_retries + 2):
+        out = run_serving(run.base_url, run.engine, cfg, api_key=run.api_key, tokenizer=tokenizer,
+                          partial=result.tables)
+        if bool(out.summary.loc[0, "client_valid"]) or attempt > cfg.invalid_client_retries:
+            break
+        # The load generator, not the engine, missed its schedule (a host stall of the client:
+        # one request dispatched 60-70 ms late among 16 was seen on 2 busy cores). The attempt
+        # is kept on disk and the load runs again from a flushed, idle worker: the prompts are
+        # seeded, so without a flush the retry would hit the prefix cache the first one filled.
+        why = "; ".join(n for n in out.meta["notes"] if n.startswith("client not valid"))
+        run.folder.write_table(f"serving_requests_discarded_{attempt}", out.requests)
+        discarded.append(f"attempt {attempt} discarded: {why}")
+        flush_until_idle(run.base_url, run.engine, run.config.flush, api_key=run.api_key)
+    result.remarks.extend(discarded)
     result.tables.update(serving_requests=out.requests, serving_summary=out.summary)
     run.folder.write_jsonl("serving", out.summary.to_dict(orient="records"))
 

@@ -106,6 +106,34 @@ def test_flow_with_unreachable_flush_is_inconclusive_and_keeps_tables(prefect_ha
     assert stages["one_batch"]["status"] == "skipped" and "flush" in stages["one_batch"]["error"]
 
 
+def test_a_client_that_falls_behind_is_measured_again_and_never_passes(prefect_harness, tmp_path: Path,
+                                                                        monkeypatch):
+    """A load generator that missed its schedule measured itself: the load is flushed and run again
+    (serving.invalid_client_retries), each discarded attempt is kept, and a client that is still not
+    valid makes the gate inconclusive. A lag limit no real client meets forces every attempt invalid."""
+    monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
+    result = regression_gate(profile="smoke", overrides=[
+        *TINY, f"output_dir={tmp_path}", "serving.max_dispatch_lag_p99_ms=0.000001",
+        "serving.invalid_client_retries=2", "serving.num_prompts=4", "one_batch.enabled=false",
+        "occupancy.enabled=false", "report.html=false"])
+    verdict = result["verdict"]
+    assert verdict["status"] == "inconclusive", json.dumps(verdict, indent=1)
+    assert verdict["baseline_eligible"] is False
+    run_dir = Path(result["run_dir"])
+    stages = json.loads((run_dir / "stages.json").read_text())
+    discarded = stages["serving"]["remarks"]
+    assert [d.split(":")[0] for d in discarded] == ["attempt 1 discarded", "attempt 2 discarded"], discarded
+    assert all("client not valid: dispatch lag p99" in d for d in discarded), discarded
+    import pandas as pd
+
+    for n in (1, 2):  # the discarded measurements stay on disk, whole
+        kept = pd.read_csv(run_dir / f"serving_requests_discarded_{n}.csv")
+        assert len(kept) == 4 and kept["success"].all()
+    assert not (run_dir / "serving_requests_discarded_3.csv").exists()
+    summary = pd.read_csv(run_dir / "serving_summary.csv")
+    assert not bool(summary.loc[0, "client_valid"]) and len(pd.read_csv(run_dir / "serving_requests.csv")) == 4
+
+
 def test_flow_whose_history_write_fails_is_inconclusive_and_keeps_its_files(prefect_harness, tmp_path: Path):
     """A run the history database could not take is not a pass: tomorrow's baseline and `status` miss it."""
     unwritable = tmp_path / "a-folder-not-a-database"

@@ -207,7 +207,7 @@ def test_the_serving_stage_gives_a_text_protocol_the_models_tokenizer_once(
 
     def fake_run_serving(base_url, eng, cfg, api_key=None, *, tokenizer=None, session=None, partial=None):
         handed.append(tokenizer)
-        return ServingResult(requests=pd.DataFrame(), summary=pd.DataFrame())
+        return ServingResult(requests=pd.DataFrame(), summary=pd.DataFrame([{"client_valid": True}]))
 
     monkeypatch.setattr(datasets, "load_prompt_tokenizer", fake_load)
     monkeypatch.setattr(serving, "run_serving", fake_run_serving)
