@@ -310,14 +310,28 @@ class OneBatchConfig(_Model):
 
 class ServingConfig(_Model):
     enabled: bool = True
-    dataset: Literal["random", "sharegpt"] = "random"
+    dataset: Literal["random", "sharegpt", "generated-shared-prefix", "trace", "jsonl"] = Field("random", description=(
+        "random token ids; sharegpt (dataset_path: ShareGPT JSON); generated-shared-prefix (SGLang's: groups of "
+        "requests sharing a long system prompt, gsp_*); trace (dataset_path: a Mooncake-format JSONL trace with "
+        "timestamps, replayed on its own schedule); jsonl (dataset_path: one {\"prompt\", \"output_len\"} per line)"))
     dataset_path: str | None = None
+    gsp_num_groups: int = Field(4, ge=1, description="generated-shared-prefix: groups (SGLang --gsp-num-groups)")
+    gsp_prompts_per_group: int = Field(4, ge=1, description="generated-shared-prefix: requests per group")
+    gsp_system_prompt_len: int = Field(256, ge=1, description="generated-shared-prefix: shared prefix tokens")
+    gsp_question_len: int = Field(32, ge=1, description="generated-shared-prefix: per-request suffix tokens")
+    gsp_output_len: int = Field(32, ge=1, description="generated-shared-prefix: output tokens per request")
+    trace_time_scale: float = Field(1.0, gt=0, description=(
+        "trace: multiply the trace's timestamps by this (0.5 replays twice as fast; SGLang's "
+        "--mooncake-slowdown-factor)"))
     num_prompts: int = Field(16, ge=1)
     random_input_len: int = Field(128, ge=1)
     random_output_len: int = Field(32, ge=1)
     random_range_ratio: float = Field(1.0, ge=0, le=1)
-    arrival: Literal["poisson", "constant", "all-at-once"] = "poisson"
+    arrival: Literal["poisson", "gamma", "constant", "all-at-once"] = "poisson"
     request_rate: float = Field(float("inf"), description="requests/s; inf with poisson = all at once")
+    burstiness: float = Field(1.0, gt=0, description=(
+        "gamma arrivals: the gamma shape (SGLang's and vLLM's --burstiness); inter-arrival gaps have mean "
+        "1/request_rate, below 1 burstier than Poisson, 1 is Poisson, above 1 more regular"))
     max_concurrency: int | None = Field(None, ge=1)
     protocol: Literal["native", "openai"] | None = Field(None, description="default: the engine's own")
     seed: int = 1
@@ -341,10 +355,27 @@ class ServingConfig(_Model):
         return v
 
     @model_validator(mode="after")
-    def _sharegpt_needs_path(self) -> "ServingConfig":
-        if self.dataset == "sharegpt" and not self.dataset_path:
-            raise ValueError("dataset 'sharegpt' needs dataset_path (a ShareGPT-format JSON file)")
+    def _dataset_needs_path(self) -> "ServingConfig":
+        what = {"sharegpt": "a ShareGPT-format JSON file", "trace": "a Mooncake-format JSONL trace",
+                "jsonl": "a JSONL file of {\"prompt\": ..., \"output_len\": ...} lines"}
+        if self.dataset in what and not self.dataset_path:
+            raise ValueError(f"dataset {self.dataset!r} needs dataset_path ({what[self.dataset]})")
         return self
+
+
+class CapacityConfig(_Model):
+    """The capacity stage: a sweep of request rates (like GuideLLM's sweep) that finds the highest rate
+    whose goodput under the serving SLOs stays at or above ``goodput_target``; higher is better."""
+
+    enabled: bool = Field(False, description="run the capacity sweep (off by default: it costs many loads)")
+    start_rate: float = Field(1.0, gt=0, description="first request rate tried, requests/s")
+    growth: float = Field(2.0, gt=1, description="each step multiplies the rate by this until the target fails")
+    refine_steps: int = Field(2, ge=0, description="bisection steps between the last good and first bad rate")
+    max_rate: float = Field(256.0, gt=0, description="stop raising the rate here (capacity reported as >= max)")
+    num_prompts: int = Field(16, ge=2, description="requests per load (serving's dataset and lengths)")
+    goodput_target: float = Field(0.9, gt=0, le=1, description=(
+        "fraction of requests that must meet serving.slo_ttft_ms / slo_tpot_ms / slo_e2e_ms (at least one set)"))
+    request_timeout_s: Seconds = 600.0
 
 
 class OccupancyConfig(_Model):
@@ -520,6 +551,7 @@ class GateConfig(_Model):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     occupancy: OccupancyConfig = Field(default_factory=OccupancyConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
     compare: CompareConfig = Field(default_factory=CompareConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)

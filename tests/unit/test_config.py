@@ -86,7 +86,7 @@ def test_expectation_profile_is_a_plain_name(name: str):
 DURATIONS = {
     "worker.ready_timeout_s": "seconds", "warmup.request_timeout_s": "seconds", "flush.timeout_s": "seconds",
     "flush.request_timeout_s": "seconds", "one_batch.request_timeout_s": "seconds",
-    "serving.request_timeout_s": "seconds", "serving.slo_ttft_ms": "milliseconds",
+    "serving.request_timeout_s": "seconds", "capacity.request_timeout_s": "seconds", "serving.slo_ttft_ms": "milliseconds",
     "serving.slo_tpot_ms": "milliseconds", "serving.slo_e2e_ms": "milliseconds",
     "serving.max_dispatch_lag_p99_ms": "milliseconds", "occupancy.scrape_interval_s": "seconds",
     "occupancy.request_timeout_s": "seconds", "quality.request_timeout_s": "seconds", "compare.days": "days",
