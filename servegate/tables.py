@@ -17,7 +17,7 @@ __all__ = ["TableSpec", "TABLES", "KNOWN_TABLES", "TABLE_STAGE", "columns", "ONE
            "OFFLINE_ONE_BATCH_COLUMNS", "REQUEST_COLUMNS", "SERVING_SUMMARY_COLUMNS", "SAMPLE_COLUMNS",
            "OCCUPANCY_SUMMARY_COLUMNS", "COMPARISON_COLUMNS", "ACCURACY_COLUMNS", "ITEM_COLUMNS",
            "AGREEMENT_COLUMNS", "AGREEMENT_ROW_COLUMNS", "PAIRED_COLUMNS", "PAIRED_ROUND_COLUMNS",
-           "PAIRED_WORKER_COLUMNS"]
+           "PAIRED_WORKER_COLUMNS", "CAPACITY_STEP_COLUMNS", "CAPACITY_COLUMNS"]
 
 ONE_BATCH_COLUMNS: Final = [
     "run_name", "mode", "protocol", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason",
@@ -52,7 +52,11 @@ SERVING_SUMMARY_COLUMNS: Final = [
     "goodput", "good_completed", "dispatch_lag_p50_ms", "dispatch_lag_p99_ms", "dispatch_lag_max_ms",
     "client_fell_behind", "connection_errors", "arrival_ks_pvalue", "scheduled_arrival_ks_pvalue",
     "arrival_fit_rejected", "client_valid", "arrival", "request_rate", "max_concurrency", "protocol", "num_prompts",
+    "dataset", "burstiness", "prompt_tokens_scraped", "cached_tokens", "prefix_cache_hit_rate",
 ]
+"""``prompt_tokens_scraped`` / ``cached_tokens``: the worker's own prompt-token and cached-token counters
+over the load (scraped before and after; NaN where the engine exposes none), ``prefix_cache_hit_rate``
+their ratio."""
 
 SAMPLE_COLUMNS: Final = ["t_s", "fwd_occupancy", "spec_accept_length", "token_usage", "num_running_reqs",
                          "num_queue_reqs", "kv_cache_usage"]
@@ -83,6 +87,19 @@ AGREEMENT_ROW_COLUMNS: Final = ["prompt_id", "n_compared", "first_mismatch_index
                                 "logprob_comparison", "n_logprobs_compared", "mean_abs_logprob_diff",
                                 "max_abs_logprob_diff", "max_greedy_gap", "within_tolerance", "worker_output_ids",
                                 "reference_output_ids"]
+
+CAPACITY_STEP_COLUMNS: Final = [
+    "step", "phase", "request_rate", "num_prompts", "completed", "failed", "good_completed", "goodput_fraction",
+    "meets_target", "p90_ttft_ms", "p90_tpot_ms", "p90_e2e_latency_ms", "output_throughput", "client_valid",
+    "duration_s",
+]
+"""``capacity_steps``: one row per load of the sweep (phase ``grow`` or ``refine``)."""
+CAPACITY_COLUMNS: Final = [
+    "capacity_rps", "capacity_bound", "goodput_target", "last_good_rate", "first_bad_rate", "steps",
+    "slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms", "duration_s",
+]
+"""``capacity``: the highest request rate whose goodput met the target (``capacity_bound``: ``found``,
+``at_least_max`` when max_rate still met it, ``below_start`` when the first rate failed: capacity 0)."""
 
 PAIRED_COLUMNS: Final = [
     "metric", "column", "unit", "direction", "gated", "rounds", "baseline_median", "candidate_median", "ratio",
@@ -124,6 +141,8 @@ TABLES: Final[dict[str, TableSpec]] = {t.name: t for t in (
     TableSpec("quality_items", "quality", tuple(ITEM_COLUMNS)),
     TableSpec("quality_agreement", "quality", tuple(AGREEMENT_COLUMNS)),
     TableSpec("quality_agreement_rows", "quality", tuple(AGREEMENT_ROW_COLUMNS)),
+    TableSpec("capacity_steps", "capacity", tuple(CAPACITY_STEP_COLUMNS)),
+    TableSpec("capacity", "capacity", tuple(CAPACITY_COLUMNS)),
     TableSpec("paired", "paired", tuple(PAIRED_COLUMNS)),
     TableSpec("paired_rounds", "paired", tuple(PAIRED_ROUND_COLUMNS)),
     TableSpec("paired_workers", "paired", tuple(PAIRED_WORKER_COLUMNS)),

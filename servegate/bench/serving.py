@@ -428,7 +428,10 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
             f"(rejected below {ARRIVAL_KS_ALPHA}); the load was not the one asked for")
     summary.update(arrival=cfg.arrival, request_rate=cfg.request_rate,
                    max_concurrency=cfg.max_concurrency if cfg.max_concurrency else math.nan,
-                   protocol=wire.name, num_prompts=len(rows))
+                   protocol=wire.name, num_prompts=len(rows), dataset=cfg.dataset,
+                   burstiness=cfg.burstiness if cfg.arrival == "gamma" else math.nan,
+                   # TODO(issue 16, workloads helper): scrape the worker's counters around the load.
+                   prompt_tokens_scraped=math.nan, cached_tokens=math.nan, prefix_cache_hit_rate=math.nan)
     if not summary["tpot_itl_applicable"]:
         meta["notes"].append("TPOT/ITL not applicable: no request produced more than one token")
     return ServingResult(requests=requests_df, summary=pd.DataFrame([summary]), meta=meta)
