@@ -68,7 +68,8 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     # The same run folder and verdict layout as before the redesign (issue 12: behaviour stays the
     # same), recorded from the smoke gate of commit 5910325. Added since, on purpose:
     # summary.not_applicable (issue 11, finding 8: checks the engine cannot provide); the paired
-    # stage's record (issue 13: skipped without a baseline worker); verdict.undecided (issue 13).
+    # stage's record (issue 13: skipped without a baseline worker); verdict.undecided (issue 13);
+    # each stage record's remarks (issue 11: a discarded serving attempt is named there).
     golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
     assert sorted(p.name for p in run_dir.iterdir()) == golden["files"]
     expected = golden["verdict_json"]
@@ -78,7 +79,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     assert sorted(verdict) == sorted([*golden["stdout_json_keys"], "undecided"])
     recorded = json.loads((run_dir / "stages.json").read_text())
     assert sorted(recorded) == sorted([*golden["stages"], "paired"])
-    assert all(sorted(r) == golden["stage_record_keys"] for r in recorded.values()), recorded
+    assert all(sorted(r) == sorted([*golden["stage_record_keys"], "remarks"]) for r in recorded.values()), recorded
 
 
 def _schema(obj):
