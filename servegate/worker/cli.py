@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         args.speculative_num_draft_tokens = 4
     if args.speculative_num_draft_tokens and not args.speculative_algorithm:
         raise ConfigError("--speculative-num-draft-tokens needs --speculative-algorithm NGRAM")
+    if faults.random_drafts and not args.speculative_algorithm:
+        raise ConfigError("--fault-random-drafts needs --speculative-algorithm NGRAM: without speculative "
+                          "decoding there are no drafts to ruin")
     if args.max_running_requests < 1:
         raise ConfigError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:

@@ -31,6 +31,11 @@ the gate can be exercised against a real worker process:
 ``corrupt_logits``
     Rotate the logits by one vocabulary position before sampling and before log-probs
     are computed: output is fluent-looking garbage and log-probs are wrong (quality stage).
+``random_drafts``
+    In NGRAM speculative mode, replace every draft token by a random token id (seeded by
+    ``SERVEGATE_FAULT_SEED``): verification rejects nearly all of them, so the accept length
+    falls towards 1 while the output stays exactly the greedy output (only verified tokens are
+    ever emitted). A broken drafter that the output cannot show; only the accept length can.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class FaultConfig:
     error_rate: float = 0.0
     cut_stream_after_tokens: int | None = None
     corrupt_logits: bool = False
+    random_drafts: bool = False
     seed: int = 0
 
     def active(self) -> dict[str, Any]:
@@ -90,6 +96,9 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
                        help="close streaming responses after N tokens, without [DONE]")
     group.add_argument("--fault-corrupt-logits", action="store_true", default=None,
                        help="rotate logits by one position: wrong tokens and log-probs")
+    group.add_argument("--fault-random-drafts", action="store_true", default=None,
+                       help="NGRAM drafts replaced by random tokens (seeded): accept length falls towards 1, "
+                            "output unchanged")
 
 
 def _env(name: str) -> str | None:
@@ -120,7 +129,7 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
     kinds: dict[str, type] = {
         "decode_delay_ms": float, "decode_slowdown_pct": float, "crash_after_requests": int,
         "flush_busy_s": float, "occupancy": str, "startup_oom": bool, "error_rate": float,
-        "cut_stream_after_tokens": int, "corrupt_logits": bool,
+        "cut_stream_after_tokens": int, "corrupt_logits": bool, "random_drafts": bool,
     }
     values: dict[str, Any] = {}
     for name, kind in kinds.items():

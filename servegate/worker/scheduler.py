@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections import deque
@@ -137,6 +138,11 @@ class Scheduler:
         self.completed_user_requests = 0
         self._spec_tokens = 0
         self._spec_verify = 0
+        # The gauge's window, as SGLang's sglang:spec_accept_length: tokens emitted by verification
+        # passes / passes, over decode_log_interval passes (or to the end of a request).
+        self._spec_window_tokens = 0
+        self._spec_window_passes = 0
+        self._draft_rng = random.Random(self.faults.seed)
         self.on_user_request_done: Callable[[int], None] | None = None
         """Called from the scheduler thread with the number of user requests completed so far."""
 
@@ -414,6 +420,17 @@ class Scheduler:
             self._publish_state_locked()
 
     # ------------------------------------------------------------------ speculation hook
+    def _publish_spec_window(self) -> None:
+        """Set ``sglang:spec_accept_length`` to the window's accept length and start a new window.
+
+        SGLang's gauge is per decode-log interval (accepted tokens / verification passes since the
+        last log line), not cumulative: a drafter that breaks mid-run shows in the next window.
+        """
+        if self._spec_window_passes:
+            self.metrics.set_spec_accept_length(self._spec_window_tokens / self._spec_window_passes)
+        self._spec_window_tokens = 0
+        self._spec_window_passes = 0
+
     def _run_speculative(self, req: Request) -> None:
         from servegate.worker.spec import speculative_generate  # optional module, loaded on first use
 
@@ -442,6 +459,19 @@ class Scheduler:
             self._end_decode_window(state["step_start"], busy, 1)
             state["step_start"] = now()
 
+        def on_verify(num_emitted: int) -> None:
+            self._spec_window_tokens += num_emitted
+            self._spec_window_passes += 1
+            if self._spec_window_passes >= self.config.decode_log_interval:
+                self._publish_spec_window()
+
+        replace_drafts = None
+        if self.faults.random_drafts:
+            vocab = int(getattr(self.model.config, "vocab_size", 0) or len(self.tokenizer))
+
+            def replace_drafts(drafts: list[int]) -> list[int]:
+                return [self._draft_rng.randrange(vocab) for _ in drafts]
+
         processor = None
         if self.faults.corrupt_logits:
             def processor(_ids: Any, scores: torch.Tensor) -> torch.Tensor:
@@ -452,13 +482,12 @@ class Scheduler:
             num_draft_tokens=int(self.config.speculative_num_draft_tokens or 1),
             eos_token_ids=set(self.eos_token_ids), ignore_eos=req.params.ignore_eos, on_token=on_token,
             should_stop=lambda: state["reason"] is not None or req.aborted or self._stopping,
-            logits_processor=processor)
+            logits_processor=processor, replace_drafts=replace_drafts, on_verify=on_verify)
+        self._publish_spec_window()  # a request's last partial window shows too
         with self._cv:
             req.spec_verify_ct = result.verify_ct
             self._spec_tokens += len(req.output_ids)
             self._spec_verify += result.verify_ct
-            if not math.isnan(self.avg_spec_accept_length):
-                self.metrics.set_spec_accept_length(self.avg_spec_accept_length)
             reason = state["reason"]
             if reason is None:
                 if req.aborted or self._stopping:

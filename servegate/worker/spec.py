@@ -125,6 +125,8 @@ def speculative_generate(
     on_token: Callable[[int], None],
     should_stop: Callable[[], bool] | None = None,
     logits_processor: Any | None = None,
+    replace_drafts: Callable[[list[int]], list[int]] | None = None,
+    on_verify: Callable[[int], None] | None = None,
 ) -> SpecResult:
     """Greedy generation with NGRAM speculative decoding for one request.
 
@@ -135,6 +137,11 @@ def speculative_generate(
     the transformers convention) is applied to every position before the argmax, with
     the exact prefix that position continues. Up to ``num_draft_tokens`` drafts are
     verified per pass, never more than the token budget can still take.
+    ``replace_drafts`` (a fault: ``--fault-random-drafts``) maps the proposed drafts to the
+    tokens actually verified, of the same length; the output stays the greedy output whatever
+    it returns. ``on_verify`` is called after every verification pass with the number of
+    tokens it emitted (accepted drafts + the model's own token), for windowed accept-length
+    metrics as SGLang keeps them.
     """
     if not input_ids:
         raise ConfigError("speculative_generate needs a non-empty prompt (input_ids is empty)")
@@ -175,18 +182,26 @@ def speculative_generate(
                 return _result(output, verify_ct, "abort")
             # A pass yields accepted drafts + one token of its own, so the budget caps drafts at remaining-1.
             drafts = index.propose(min(num_draft_tokens, max_new_tokens - len(output) - 1))
+            if replace_drafts is not None and drafts:
+                drafts = [int(t) for t in replace_drafts(drafts)][:len(drafts)]
             step = torch.tensor([[tokens[-1], *drafts]], dtype=torch.long, device=device)
             logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[0]
             verify_ct += 1
             num_fed = step.shape[1]
             num_new = 0
+            stopped = False
             for pos in range(num_fed):
                 token = _greedy_token(logits[pos], tokens, logits_processor)
                 num_new += 1
                 if accept(token):
-                    return _result(output, verify_ct, "stop")
+                    stopped = True
+                    break
                 if pos == len(drafts) or token != drafts[pos]:
                     break
+            if on_verify is not None:
+                on_verify(num_new)
+            if stopped:
+                return _result(output, verify_ct, "stop")
             # The cache must hold every token but the newest (which is fed next pass); drop the
             # KV entries of rejected drafts (transformers 5 takes a negative count of tokens to remove).
             cache.crop(-(num_fed - num_new))
