@@ -24,16 +24,23 @@ Each request has a deadline of ``request_timeout_s`` from sending it to its last
 time still ends there); its message is ``http.deadline_error``'s, like every other request's.
 
 Arrivals follow a schedule computed up front from a seeded generator: ``poisson``
-(exponential gaps at ``request_rate``), ``constant`` (``1/request_rate`` gaps) or
-``all-at-once`` (``request_rate=inf`` means all at once for any arrival kind). A dispatcher
+(exponential gaps at ``request_rate``), ``gamma`` (gamma gaps of shape ``burstiness`` and mean
+``1/request_rate``, as SGLang's and vLLM's ``--burstiness``), ``constant`` (``1/request_rate`` gaps) or
+``all-at-once`` (``request_rate=inf`` means all at once for any arrival kind); a trace dataset brings
+its own schedule (its timestamps times ``trace_time_scale``), and arrival and rate are then unused. A dispatcher
 thread releases each request to the loop at its scheduled time (sub-millisecond, unlike the
 loop's 1 ms timers), so a slow request never delays the next send. The client's own health
 is measured: the *dispatch lag* (release minus scheduled time; a run whose p99 exceeds
-``max_dispatch_lag_p99_ms`` is flagged ``client_fell_behind``) and, for Poisson arrivals, a KS
-test of the released gaps (``arrival_fit_rejected`` below ``stats.ARRIVAL_KS_ALPHA``);
+``max_dispatch_lag_p99_ms`` is flagged ``client_fell_behind``) and, for Poisson and gamma arrivals, a KS
+test of the released gaps against their law (``arrival_fit_rejected`` below ``stats.ARRIVAL_KS_ALPHA``);
 ``client_valid`` is False when either failed, and the gate must not trust such a run.
 Waiting for a ``max_concurrency`` slot is intended back-pressure, recorded separately as
 ``queue_wait_ms``.
+
+Where the engine exposes them, the worker's own prompt-token and cached-token counters are scraped
+from ``/metrics`` just before and just after the load (``occupancy.scrape_metrics``); their increases
+give ``prompt_tokens_scraped``, ``cached_tokens`` and ``prefix_cache_hit_rate`` — the prefix cache's
+share of the load's prompt tokens, the figure a shared-prefix workload is run for.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -56,12 +63,21 @@ import pandas as pd
 import requests
 from tqdm import tqdm
 
-from servegate.bench.datasets import DatasetRow, as_text_prompts, load_sharegpt, sample_random_requests
+from servegate.bench.datasets import (
+    DatasetRow,
+    as_text_prompts,
+    load_jsonl_prompts,
+    load_mooncake_trace,
+    load_sharegpt,
+    sample_random_requests,
+    sample_shared_prefix_requests,
+)
+from servegate.bench.occupancy import scrape_metrics
 from servegate.bench.protocol import WireProtocol, protocol_for
 from servegate.bench.stats import ARRIVAL_KS_ALPHA, arrival_ks_pvalue, client_validity, summarize_serving
 from servegate.config import ServingConfig
 from servegate.engines.base import Engine
-from servegate.errors import InsufficientDataError, ServerUnreachableError, StageError
+from servegate.errors import ConfigError, InfraError, InsufficientDataError, ServerUnreachableError, StageError
 from servegate.http import StreamingClient, deadline_error, make_session
 from servegate.tables import REQUEST_COLUMNS
 
@@ -70,12 +86,27 @@ try:  # uvloop roughly halves the event loop's cost per streamed chunk; optional
 except ImportError:  # pragma: no cover - depends on the environment
     uvloop = None
 
-__all__ = ["ServingResult", "arrival_schedule", "build_requests", "run_serving"]
+__all__ = ["PREFIX_CACHE_COUNTERS", "ServingResult", "arrival_schedule", "build_requests", "prefix_cache_counters",
+           "run_serving"]
 
 # The arrival gaps get their own random stream, so that they are not the same bits the
 # dataset drew its prompts from with the same seed.
 _ARRIVAL_STREAM: Final = 0xA7
 _REQUESTS_TABLE: Final = "serving_requests"
+
+# The worker's counters behind prefix_cache_hit_rate, as scraped (prometheus_client appends "_total"
+# to a counter's name): prompt tokens, prompt tokens served from the prefix cache, and the tokens the
+# cache was asked for (the rate's denominator). SGLang (and the embedded worker, which mirrors it):
+# sglang:prompt_tokens / sglang:cached_tokens. vLLM v1: vllm:prefix_cache_queries / _hits, in tokens.
+# TODO(engines): these belong in each Engine's metric_names; until they are there, by engine name.
+_SGLANG_CACHE_COUNTERS: Final = {"prompt": "sglang:prompt_tokens_total", "cached": "sglang:cached_tokens_total",
+                                 "queried": "sglang:prompt_tokens_total"}
+PREFIX_CACHE_COUNTERS: Final[dict[str, dict[str, str]]] = {
+    "sglang": _SGLANG_CACHE_COUNTERS,
+    "embedded": _SGLANG_CACHE_COUNTERS,
+    "vllm": {"prompt": "vllm:prompt_tokens_total", "cached": "vllm:prefix_cache_hits_total",
+             "queried": "vllm:prefix_cache_queries_total"},
+}
 
 
 @dataclass
@@ -90,34 +121,91 @@ class ServingResult:
     """The load as run: dataset, arrival, rate, concurrency, protocol, seed, notes."""
 
 
-def arrival_schedule(n: int, arrival: str, rate: float, seed: int) -> np.ndarray:
+def arrival_schedule(n: int, arrival: str, rate: float, seed: int, burstiness: float = 1.0) -> np.ndarray:
     """Send times (s from the start) of ``n`` requests; the first is sent at 0.
 
-    Poisson gaps are ``exponential(1/rate)`` draws, as SGLang samples them, but seeded and drawn
-    up front so the schedule does not depend on the client's speed.
+    Poisson gaps are ``exponential(1/rate)`` draws, as SGLang samples them; gamma gaps are
+    ``gamma(shape=burstiness, scale=1/(rate*burstiness))`` draws, as vLLM's and SGLang's
+    ``get_request`` (mean ``1/rate`` whatever the burstiness; shape 1 is the exponential). Both are
+    seeded and drawn up front, so the schedule does not depend on the client's speed.
     """
     if n <= 0:
         return np.zeros(0)
     if math.isinf(rate) or arrival == "all-at-once":
         return np.zeros(n)
+    rng = np.random.default_rng([seed, _ARRIVAL_STREAM])
     if arrival == "poisson":
-        gaps = np.random.default_rng([seed, _ARRIVAL_STREAM]).exponential(1.0 / rate, size=n - 1)
+        gaps = rng.exponential(1.0 / rate, size=n - 1)
+    elif arrival == "gamma":
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
     elif arrival == "constant":
         gaps = np.full(n - 1, 1.0 / rate)
     else:
-        raise StageError(f"unknown arrival {arrival!r}; choose poisson, constant or all-at-once")
+        raise StageError(f"unknown arrival {arrival!r}; choose poisson, gamma, constant or all-at-once")
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
 def build_requests(cfg: ServingConfig, tokenizer: Any | None = None, *, text_prompts: bool = False) -> list[DatasetRow]:
-    """The requests of a run: seeded random token ids, or a ShareGPT-format file; with
-    ``text_prompts`` (a protocol that takes text only) every token-id prompt decoded by ``tokenizer``."""
+    """The requests of a run, by ``cfg.dataset`` (docs/workloads.md): seeded random token ids, a
+    ShareGPT-format file, SGLang's generated shared-prefix groups (``gsp_num_groups *
+    gsp_prompts_per_group`` requests; ``num_prompts`` is not used), the first ``num_prompts`` requests
+    of a Mooncake trace (each with its ``send_at_s``, already scaled by ``trace_time_scale``), or the
+    first ``num_prompts`` lines of a JSONL prompt file. ``tokenizer`` (the model's) encodes the text
+    datasets; with ``text_prompts`` (a protocol that takes text only) every token-id prompt is decoded
+    by it."""
     if cfg.dataset == "random":
         rows = sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
                                       cfg.random_range_ratio, cfg.seed)
-    else:
+    elif cfg.dataset == "sharegpt":
         rows = load_sharegpt(cfg.dataset_path or "", cfg.num_prompts, cfg.seed, cfg.random_output_len, tokenizer)
+    elif cfg.dataset == "generated-shared-prefix":
+        rows = sample_shared_prefix_requests(cfg.gsp_num_groups, cfg.gsp_prompts_per_group, cfg.gsp_system_prompt_len,
+                                             cfg.gsp_question_len, cfg.gsp_output_len, cfg.seed)
+    elif cfg.dataset == "trace":
+        rows = [replace(r, send_at_s=r.send_at_s * cfg.trace_time_scale)
+                for r in load_mooncake_trace(cfg.dataset_path or "", cfg.num_prompts, cfg.seed)]
+    elif cfg.dataset == "jsonl":
+        rows = load_jsonl_prompts(cfg.dataset_path or "", cfg.num_prompts, tokenizer, keep_text=text_prompts)
+    else:
+        raise ConfigError(f"unknown serving.dataset {cfg.dataset!r}; choose random, sharegpt, "
+                          f"generated-shared-prefix, trace or jsonl")
     return as_text_prompts(rows, tokenizer) if text_prompts else rows
+
+
+def _scrape_counters(http: requests.Session, base_url: str, engine: Engine, notes: list[str],
+                     when: str) -> dict[str, float] | None:
+    """The engine's prefix-cache counters (summed over label sets), or None with a note saying why not."""
+    names = PREFIX_CACHE_COUNTERS.get(engine.name) if engine.has_metrics else None
+    if names is None:
+        return None
+    try:
+        page = scrape_metrics(http, base_url, engine)
+    except InfraError as exc:
+        notes.append(f"prefix-cache counters not scraped {when} the load: {exc}")
+        return None
+    missing = sorted({name for name in names.values() if name not in page})
+    if missing:
+        notes.append(f"prefix-cache counters not on {base_url}/metrics {when} the load: {', '.join(missing)}")
+        return None
+    return {key: float(np.nansum(page[name])) for key, name in names.items()}
+
+
+def prefix_cache_counters(before: dict[str, float] | None, after: dict[str, float] | None,
+                          notes: list[str]) -> dict[str, float]:
+    """``prompt_tokens_scraped``, ``cached_tokens`` and ``prefix_cache_hit_rate`` over the load from two
+    counter scrapes; NaN when either is missing, a counter went down (the worker restarted), or no
+    token was queried."""
+    out = {"prompt_tokens_scraped": math.nan, "cached_tokens": math.nan, "prefix_cache_hit_rate": math.nan}
+    if before is None or after is None:
+        return out
+    delta = {key: after[key] - before[key] for key in after}
+    if any(v < 0 for v in delta.values()):
+        notes.append(f"prefix-cache counters went down during the load ({delta}): the worker restarted")
+        return out
+    out["prompt_tokens_scraped"] = delta["prompt"]
+    out["cached_tokens"] = delta["cached"]
+    out["prefix_cache_hit_rate"] = delta["cached"] / delta["queried"] if delta["queried"] > 0 else math.nan
+    return out
 
 
 @dataclass
@@ -361,9 +449,14 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
                 partial: dict[str, pd.DataFrame] | None = None) -> ServingResult:
     """Run the serving load and return per-request rows, the one-row summary and the run's meta.
 
-    ``tokenizer`` (the model's) encodes ShareGPT files (``datasets.load_sharegpt``) and, when the
-    protocol takes text only (``needs_text_prompts``), decodes token-id prompts to text — all before
-    the clock starts; such a protocol needs it for the random dataset. ``partial`` (when given) receives ``{"serving_requests": rows}``
+    ``tokenizer`` (the model's) encodes ShareGPT and JSONL prompt files (without it they are sent as
+    text; ``datasets.dataset_needs_tokenizer``) and, when the protocol takes text only
+    (``needs_text_prompts``), decodes token-id prompts to text — all before the clock starts; such a
+    protocol needs it for the token-id datasets (random, generated-shared-prefix, trace). A trace is
+    sent on its own schedule and recorded with ``arrival="trace"`` and its mean offered rate as
+    ``request_rate``. The prefix-cache counters are scraped around the load where the engine has
+    them (``PREFIX_CACHE_COUNTERS``); a scrape that fails leaves them NaN with a note in
+    ``meta["notes"]``, never fails the load. ``partial`` (when given) receives ``{"serving_requests": rows}``
     as soon as the load has run, so that the caller keeps them when the run then fails: when
     every request failed on a connection error the server is gone (``ServerUnreachableError``);
     when no request succeeded for another reason, ``InsufficientDataError``. A ``session`` given
@@ -372,38 +465,52 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
     base_url = base_url.rstrip("/")
     wire = protocol_for(engine, cfg.protocol)
     rows = build_requests(cfg, tokenizer, text_prompts=wire.needs_text_prompts)
-    schedule = arrival_schedule(len(rows), cfg.arrival, cfg.request_rate, cfg.seed)
+    traced = cfg.dataset == "trace"
+    if traced:
+        schedule = np.array([r.send_at_s for r in rows], dtype=float)
+        span = float(schedule[-1]) if len(schedule) else 0.0
+        arrival, rate = "trace", ((len(rows) - 1) / span if span > 0 else math.inf)
+    else:
+        schedule = arrival_schedule(len(rows), cfg.arrival, cfg.request_rate, cfg.seed, cfg.burstiness)
+        arrival, rate = cfg.arrival, cfg.request_rate
+    notes: list[str] = []
     http = session or make_session(api_key)
     try:
         model = wire.served_model(http, base_url, limit_s=min(cfg.request_timeout_s, 30.0),
                                   setting="serving.request_timeout_s")
+        counters_before = _scrape_counters(http, base_url, engine, notes, "before")
+        meta: dict[str, Any] = {
+            "dataset": cfg.dataset, "dataset_path": cfg.dataset_path, "num_prompts": len(rows),
+            "arrival": arrival, "request_rate": rate, "max_concurrency": cfg.max_concurrency,
+            "protocol": wire.name, "seed": cfg.seed, "model": model, "notes": notes,
+            "event_loop": "uvloop" if uvloop is not None else "asyncio",
+        }
+        if cfg.arrival == "gamma" and not traced:
+            meta["burstiness"] = cfg.burstiness
+        if traced:
+            meta["trace_time_scale"] = cfg.trace_time_scale
+        # A full garbage collection walks every object the process holds (pandas, scipy, torch
+        # when in-process: hundreds of thousands) and stalls the event loop for tens of ms, which
+        # shows as dispatch lag and bursty arrivals. Freeze what exists into the permanent
+        # generation and pause the collector for the run; the run itself makes few cycles.
+        with _gc_paused():
+            records, _ = _run_coroutine(_run_load(rows, schedule, base_url, wire, model, cfg, api_key))
+        requests_df = pd.DataFrame(records, columns=REQUEST_COLUMNS)
+        for col in ("input_tokens", "planned_input_tokens", "output_tokens", "planned_output_tokens"):
+            requests_df[col] = requests_df[col].astype("Int64")
+        requests_df["success"] = requests_df["success"].astype(bool)
+        if partial is not None:
+            partial[_REQUESTS_TABLE] = requests_df
+
+        failed = requests_df[~requests_df["success"]]
+        if len(failed) == len(requests_df) and (failed["error_kind"] == "connection").all():
+            raise ServerUnreachableError(
+                f"all {len(requests_df)} serving requests to {base_url} failed to connect "
+                f"(first: {failed['error'].iloc[0]}); the server is gone — check the worker's log")
+        counters_after = _scrape_counters(http, base_url, engine, notes, "after") if counters_before else None
     finally:
         if session is None:
             http.close()
-    meta: dict[str, Any] = {
-        "dataset": cfg.dataset, "dataset_path": cfg.dataset_path, "num_prompts": len(rows),
-        "arrival": cfg.arrival, "request_rate": cfg.request_rate, "max_concurrency": cfg.max_concurrency,
-        "protocol": wire.name, "seed": cfg.seed, "model": model, "notes": [],
-        "event_loop": "uvloop" if uvloop is not None else "asyncio",
-    }
-    # A full garbage collection walks every object the process holds (pandas, scipy, torch
-    # when in-process: hundreds of thousands) and stalls the event loop for tens of ms, which
-    # shows as dispatch lag and bursty arrivals. Freeze what exists into the permanent
-    # generation and pause the collector for the run; the run itself makes few cycles.
-    with _gc_paused():
-        records, _ = _run_coroutine(_run_load(rows, schedule, base_url, wire, model, cfg, api_key))
-    requests_df = pd.DataFrame(records, columns=REQUEST_COLUMNS)
-    for col in ("input_tokens", "planned_input_tokens", "output_tokens", "planned_output_tokens"):
-        requests_df[col] = requests_df[col].astype("Int64")
-    requests_df["success"] = requests_df["success"].astype(bool)
-    if partial is not None:
-        partial[_REQUESTS_TABLE] = requests_df
-
-    failed = requests_df[~requests_df["success"]]
-    if len(failed) == len(requests_df) and (failed["error_kind"] == "connection").all():
-        raise ServerUnreachableError(
-            f"all {len(requests_df)} serving requests to {base_url} failed to connect "
-            f"(first: {failed['error'].iloc[0]}); the server is gone — check the worker's log")
 
     duration = float(requests_df["finished_s"].max())
     summary = summarize_serving(
@@ -412,26 +519,25 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
     summary["connection_errors"] = int((failed["error_kind"] == "connection").sum())
     summary["arrival_ks_pvalue"] = math.nan
     summary["scheduled_arrival_ks_pvalue"] = math.nan
-    if cfg.arrival == "poisson" and math.isfinite(cfg.request_rate):
+    if arrival in ("poisson", "gamma") and math.isfinite(rate):
+        shape = cfg.burstiness if arrival == "gamma" else 1.0
         try:
-            summary["arrival_ks_pvalue"] = arrival_ks_pvalue(requests_df["dispatched_s"].to_numpy(),
-                                                             cfg.request_rate)
+            summary["arrival_ks_pvalue"] = arrival_ks_pvalue(requests_df["dispatched_s"].to_numpy(), rate, shape)
             # The seeded plan itself, so that a rejection can be told apart from a client fault.
-            summary["scheduled_arrival_ks_pvalue"] = arrival_ks_pvalue(schedule, cfg.request_rate)
+            summary["scheduled_arrival_ks_pvalue"] = arrival_ks_pvalue(schedule, rate, shape)
         except InsufficientDataError as exc:
-            meta["notes"].append(f"arrival KS test not run: {exc}")
+            notes.append(f"arrival KS test not run: {exc}")
     summary.update(client_validity(summary["client_fell_behind"], summary["arrival_ks_pvalue"]))
     if not summary["client_valid"]:
-        meta["notes"].append(
+        notes.append(
             f"client not valid: dispatch lag p99 {summary['dispatch_lag_p99_ms']:.2f} ms "
             f"(limit {cfg.max_dispatch_lag_p99_ms} ms), arrival KS p-value {summary['arrival_ks_pvalue']:.3g} "
             f"(rejected below {ARRIVAL_KS_ALPHA}); the load was not the one asked for")
-    summary.update(arrival=cfg.arrival, request_rate=cfg.request_rate,
+    summary.update(arrival=arrival, request_rate=rate,
                    max_concurrency=cfg.max_concurrency if cfg.max_concurrency else math.nan,
                    protocol=wire.name, num_prompts=len(rows), dataset=cfg.dataset,
-                   burstiness=cfg.burstiness if cfg.arrival == "gamma" else math.nan,
-                   # TODO(issue 16, workloads helper): scrape the worker's counters around the load.
-                   prompt_tokens_scraped=math.nan, cached_tokens=math.nan, prefix_cache_hit_rate=math.nan)
+                   burstiness=cfg.burstiness if arrival == "gamma" else math.nan,
+                   **prefix_cache_counters(counters_before, counters_after, notes))
     if not summary["tpot_itl_applicable"]:
-        meta["notes"].append("TPOT/ITL not applicable: no request produced more than one token")
+        notes.append("TPOT/ITL not applicable: no request produced more than one token")
     return ServingResult(requests=requests_df, summary=pd.DataFrame([summary]), meta=meta)

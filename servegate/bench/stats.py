@@ -80,25 +80,31 @@ def goodput_mask(requests: pd.DataFrame, slo_ttft_ms: float | None, slo_tpot_ms:
     return ok
 
 
-def arrival_ks_pvalue(send_times_s: Sequence[float] | np.ndarray, rate: float) -> float:
-    """Kolmogorov–Smirnov p-value of the inter-arrival gaps against Exponential(rate).
+def arrival_ks_pvalue(send_times_s: Sequence[float] | np.ndarray, rate: float, burstiness: float = 1.0) -> float:
+    """Kolmogorov–Smirnov p-value of the inter-arrival gaps against the law the schedule drew them from.
 
-    A small p-value says the client did not produce Poisson arrivals at ``rate`` (it fell
+    ``burstiness`` 1 (Poisson arrivals): Exponential(rate). Otherwise (gamma arrivals, SGLang's and
+    vLLM's ``--burstiness``): Gamma(shape=burstiness, scale=1/(rate*burstiness)), whose mean gap is
+    still ``1/rate``. A small p-value says the client did not produce that arrival process (it fell
     behind, or batched its sends), so the measured latencies answer a different load.
     """
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be a finite number > 0, got {burstiness!r}")
     t = np.sort(np.asarray(send_times_s, dtype=float))
     gaps = np.diff(t)
     if gaps.size < 2:
         raise InsufficientDataError(f"{gaps.size} inter-arrival gap(s): too few for a KS test of the "
                                     f"arrival process; send more requests (serving.num_prompts)")
-    return float(scipy_stats.kstest(gaps, "expon", args=(0.0, 1.0 / rate)).pvalue)
+    if burstiness == 1.0:
+        return float(scipy_stats.kstest(gaps, "expon", args=(0.0, 1.0 / rate)).pvalue)
+    return float(scipy_stats.kstest(gaps, "gamma", args=(burstiness, 0.0, 1.0 / (rate * burstiness))).pvalue)
 
 
 def client_validity(client_fell_behind: bool, arrival_pvalue: float) -> dict[str, bool]:
     """``arrival_fit_rejected`` and ``client_valid`` of a serving run.
 
     The fit is rejected when the KS p-value of the dispatched arrivals is below
-    ``ARRIVAL_KS_ALPHA`` (NaN — not a Poisson run — is not a rejection). A run is valid when
+    ``ARRIVAL_KS_ALPHA`` (NaN — not a Poisson or gamma run — is not a rejection). A run is valid when
     the client kept its schedule (``not client_fell_behind``) and its arrivals fit; an invalid
     run measured another load than the one asked for, so the gate must not trust it.
     """

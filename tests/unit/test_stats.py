@@ -114,3 +114,21 @@ def test_ks_accepts_exponential_gaps_and_rejects_the_wrong_rate() -> None:
     assert arrival_ks_pvalue(np.arange(500) / 20.0, 20.0) < 1e-6
     with pytest.raises(InsufficientDataError):
         arrival_ks_pvalue([0.0, 0.1], 10.0)
+
+
+def test_ks_against_the_gamma_law_of_bursty_arrivals() -> None:
+    rate, shape = 10.0, 0.25  # bursty: most gaps tiny, a few long ones, mean still 1/rate
+    times = np.cumsum(np.random.default_rng(3).gamma(shape, 1 / (rate * shape), size=300))
+    assert arrival_ks_pvalue(times, rate, burstiness=shape) > 0.05
+    # The same sends are far from Poisson at that rate, and from a gamma law of another shape.
+    assert arrival_ks_pvalue(times, rate) < 1e-6
+    assert arrival_ks_pvalue(times, rate, burstiness=4.0) < 1e-6
+    # Regular (shape 4) arrivals are not Poisson either, and fit their own law.
+    regular = np.cumsum(np.random.default_rng(4).gamma(4.0, 1 / (rate * 4.0), size=300))
+    assert arrival_ks_pvalue(regular, rate, burstiness=4.0) > 0.05
+    assert arrival_ks_pvalue(regular, rate) < 1e-6
+    # Shape 1 is the exponential: the same p-value as the Poisson test.
+    expo = np.cumsum(np.random.default_rng(5).exponential(1 / rate, size=200))
+    assert arrival_ks_pvalue(expo, rate, burstiness=1.0) == arrival_ks_pvalue(expo, rate)
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_ks_pvalue(times, rate, burstiness=0.0)
