@@ -304,3 +304,44 @@ def test_openai_text_outputs_shorter_than_asked_are_measured_longer_ones_failed(
     partial = tables["serving_requests"]
     assert (partial["error_kind"] == "protocol").all()
     assert partial["error"].str.contains("reported 18 completion tokens for a request of max tokens 6").all()
+
+
+# --- issue 16: the worker's prefix-cache counters around the load -------------------------------
+
+def _vllm_counters(n: int) -> dict:
+    """vLLM v1's token counters, on two engine cores; each scrape after the first adds 600 queried
+    prompt tokens of which 150 hit the prefix cache."""
+    def cores(total: float) -> list:
+        return [({"engine": "0"}, total / 2), ({"engine": "1"}, total / 2)]
+    return {"vllm:prompt_tokens_total": cores(1000 + 600 * n), "vllm:prefix_cache_queries_total": cores(1000 + 600 * n),
+            "vllm:prefix_cache_hits_total": cores(400 + 150 * n), "vllm:num_requests_running": cores(0)}
+
+
+def test_vllm_prefix_cache_counters_are_scraped_around_the_load(sim: SimServer) -> None:
+    sim.state.metrics = _vllm_counters
+    res = run_serving(sim.base_url, VLLMEngine(), _cfg(num_prompts=4))
+    s = res.summary.iloc[0]
+    assert sim.state.scrapes == 2  # once before, once after the load
+    assert s["prompt_tokens_scraped"] == 600 and s["cached_tokens"] == 150  # summed over the engine cores
+    assert s["prefix_cache_hit_rate"] == pytest.approx(0.25)
+    assert res.meta["notes"] == []
+
+
+def test_prefix_cache_counters_are_nan_with_a_note_where_the_worker_has_none(sim: SimServer) -> None:
+    sim.state.metrics_status = 404  # metrics not enabled: the load still runs
+    res = run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=4))
+    s = res.summary.iloc[0]
+    assert res.requests["success"].all()
+    assert math.isnan(s["prompt_tokens_scraped"]) and math.isnan(s["cached_tokens"])
+    assert math.isnan(s["prefix_cache_hit_rate"])
+    assert any("prefix-cache counters not scraped before the load" in n and "404" in n for n in res.meta["notes"])
+    sim.state.metrics_status, sim.state.metrics = 200, {"sglang:num_running_reqs": [({}, 0.0)]}
+    res = run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=4))
+    assert math.isnan(res.summary.iloc[0]["cached_tokens"])
+    assert any("not on" in n and "sglang:cached_tokens_total" in n for n in res.meta["notes"])
+    # A counter that went down (the worker restarted between the scrapes) gives no figure either.
+    sim.state.metrics = lambda n: {"sglang:prompt_tokens_total": [({}, 500.0 - 100 * n)],
+                                   "sglang:cached_tokens_total": [({}, 0.0)]}
+    res = run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=4))
+    assert math.isnan(res.summary.iloc[0]["prefix_cache_hit_rate"])
+    assert any("went down" in n for n in res.meta["notes"])
