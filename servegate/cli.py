@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ import traceback
 from collections.abc import Sequence
 
 from servegate.commands import add_commands
+from servegate.console import configure_logging
 from servegate.errors import ConfigError, ServegateError
 
 __all__ = ["main", "build_parser"]
@@ -37,6 +37,9 @@ def _quiet_defaults() -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``servegate`` parser, every command added by its module in :mod:`servegate.commands`."""
     parser = argparse.ArgumentParser(prog="servegate", description="A regression gate for LLM serving engines.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show every library's INFO log lines in the terminal (they always go to the run "
+                             "folder's gate.log)")
     add_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     return parser
 
@@ -72,8 +75,8 @@ def _could_not_decide() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_defaults()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    configure_logging(verbose=args.verbose)
     command = getattr(args, "func", None)
     if command is None:  # every command module sets func; argparse guarantees a known command
         raise AssertionError(f"unhandled command {args.command!r}")

@@ -33,6 +33,7 @@ __all__ = [
     "markdown_cell",
     "markdown_code",
     "markdown_text",
+    "metric_rows",
     "paired_text",
     "percent_text",
     "ratio_number_text",
@@ -174,17 +175,86 @@ def calibration_text(calibration: Mapping[str, Any] | None) -> str | None:
     return text
 
 
+_RANGE_TYPES = ("expect_column_values_to_be_between", "expect_column_max_to_be_between",
+                "expect_column_min_to_be_between", "expect_column_mean_to_be_between",
+                "expect_column_median_to_be_between")
+
+
+def _number_text(value: float) -> str:
+    return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+
+
+def metric_rows(outcomes: Iterable[Mapping[str, Any]], comparison: Iterable[Mapping[str, Any]] = ()) -> list[list[str]]:
+    """The measured numbers a person reads first, one row each: ``[mark, metric, value, bound, check]``.
+
+    From the run's expectation outcomes (``expectations.json`` records): every range check with the
+    value it saw (one-row tables; a many-row table says how many rows it checked and how many fell
+    outside). From the ``comparison`` table (records): every gated metric with its current and
+    baseline medians, its ratio and interval against the bound, and the decision. Marks: ``ok``,
+    ``FAIL`` (breached), ``n/a`` (the engine cannot provide it), ``--`` (not evaluated), ``UNDECIDED``
+    (a gated comparison whose interval neither excludes nor shows a regression).
+    """
+    rows: list[list[str]] = []
+    for o in outcomes:
+        if o.get("expectation_type") not in _RANGE_TYPES or not o.get("table_produced", True):
+            continue
+        observed = o.get("observed")
+        number = _finite(observed) if not isinstance(observed, (dict, list, bool)) else None
+        if number is not None:
+            value = _number_text(number)
+        elif isinstance(observed, dict) and "element_count" in observed:
+            n, bad = observed.get("element_count"), observed.get("unexpected_count")
+            if not n:
+                continue  # a conditional check with no row to check (e.g. accept length without speculation)
+            value = f"{n} row(s), {bad} outside"
+        else:
+            value = "-"
+        if o.get("applicable") is False:
+            mark = "n/a"
+        elif o.get("success") is None:
+            mark = "--"
+        else:
+            mark = "ok" if o.get("success") else "FAIL"
+        rows.append([mark, f"{o.get('table')}.{_cell(o.get('column'), 32)}", _cell(value, 24),
+                     _cell(o.get("allowed"), 40), "threshold"])
+    for c in comparison:
+        if c.get("gated") != True:  # noqa: E712 - numpy's True_ is not True
+            continue
+        decision = str(c.get("decision") or "")
+        mark = {"regression": "FAIL", "no_change": "ok", "improvement": "ok"}.get(decision, "UNDECIDED")
+        name = str(c.get("metric"))
+        case = c.get("case")
+        if isinstance(case, str) and case:
+            name += f" [{case}]"
+        current, baseline = _finite(c.get("current_median")), _finite(c.get("baseline_median"))
+        value = "-" if current is None else _number_text(current)
+        if baseline is not None:
+            value += f" vs {_number_text(baseline)}"
+        bound = _finite(c.get("bound"))
+        rows.append([mark, _cell(name, 44), _cell(value, 24),
+                     _cell(ratio_text(c.get("ratio"), c.get("ci_low"), c.get("ci_high"))
+                           + (f" vs bound {bound:.1%}" if bound is not None else ""), 48),
+                     f"baseline: {_cell(decision, 20)}"])
+    return rows
+
+
 UNDECIDED_HEADING = "Undecided (not a regression, none excluded; more measurement decides)"
 """The heading every output gives the verdict's ``undecided`` entries."""
 
 
-def format_verdict_table(verdict: Verdict, paired: Sequence[Mapping[str, Any]] = ()) -> str:
-    """A plain-text report for the terminal: status line, breaches table, infra errors, gaps, and
-    one line per gated metric of the run's ``paired`` table (its rows as records) when it has one."""
+def format_verdict_table(verdict: Verdict, paired: Sequence[Mapping[str, Any]] = (),
+                         metrics: Sequence[Sequence[str]] = ()) -> str:
+    """A plain-text report for the terminal: the measured numbers (``metrics``, rows of
+    :func:`metric_rows`), status line, breaches table, infra errors, gaps, and one line per gated
+    metric of the run's ``paired`` table (its rows as records) when it has one."""
     s = verdict.summary
-    lines = [f"VERDICT: {verdict.status.upper()} (exit {verdict.exit_code}) - {terminal_text(verdict.reason)}",
-             f"expectations: {s.expectations}  passed: {s.passed}  failed: {s.failed}  "
-             f"not evaluated: {s.not_evaluated}  not produced: {s.not_produced}"]
+    lines = []
+    if metrics:
+        lines += [_grid(["", "metric", "value", "allowed / ratio", "check"], [[terminal_text(c) for c in r]
+                                                                            for r in metrics]), ""]
+    lines += [f"VERDICT: {verdict.status.upper()} (exit {verdict.exit_code}) - {terminal_text(verdict.reason)}",
+              f"expectations: {s.expectations}  passed: {s.passed}  failed: {s.failed}  "
+              f"not evaluated: {s.not_evaluated}  not produced: {s.not_produced}"]
     if verdict.breaches:
         rows = [[b.table, _cell(b.column, 24), b.expectation.removeprefix("expect_"), _cell(observed_text(b.observed)),
                  _cell(b.allowed), _cell(b.source, 50)] for b in verdict.breaches]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from servegate import console
 from servegate.config import GateConfig
 from servegate.engines import get_engine
 from servegate.engines.base import Engine
@@ -153,6 +154,7 @@ class GateRun:
                 folder.discard()
                 raise
             run = cls(config, folder, attempt_of=attempt_of)
+            console.run_folder_opened(folder.path)
         except BaseException:
             held.close()
             raise
@@ -241,6 +243,7 @@ class GateRun:
         """Record that ``stage`` did not run, and why."""
         result = StageResult(stage, status=status, error=reason)  # type: ignore[arg-type]
         self._keep(result)
+        console.stage_ended(stage, status, None, reason)
         return result
 
     @contextlib.contextmanager
@@ -254,6 +257,7 @@ class GateRun:
         """
         result = StageResult(stage)
         timer = self._arm_deadline(stage)
+        console.stage_started(stage)
         try:
             if self.overrun is not None and not self.closed:
                 raise DeadlineError(self.overrun)
@@ -269,7 +273,10 @@ class GateRun:
         finally:
             timer.cancel()
             result.duration_s = time.perf_counter() - result.started
-            self._keep(result)
+            try:
+                self._keep(result)
+            finally:
+                console.stage_ended(stage, result.status, result.duration_s, result.error)
 
     def _keep(self, result: StageResult) -> None:
         """Write the result's tables and its record, at once. A stage that failed before its

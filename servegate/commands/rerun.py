@@ -29,24 +29,22 @@ def add_arguments(subparsers: Any) -> None:
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
-    from servegate import jsonio
+    from servegate import console
+    from servegate.commands.run import show_verdict
     from servegate.flows.rerun import rerun_stages
-    from servegate.render import format_verdict_table
     from servegate.rerun import resolve_run_dir
     from servegate.runstate import call_flow
-    from servegate.verdict import Verdict
 
     run_dir = resolve_run_dir(args.run, args.db)
     overrides = list(args.overrides)
     if args.db:
         overrides.append(f"store.url={args.db}")
-    result = call_flow(rerun_stages, str(run_dir), list(args.stages), overrides)
-    verdict = Verdict.model_validate(result["verdict"])
-    if args.json:
-        print(jsonio.dumps({**result["verdict"], **{k: v for k, v in result.items() if k not in ("verdict", "paired")}},
-                           indent=True, ascii_only=True))
-    else:
-        print(format_verdict_table(verdict, result.get("paired") or ()))
-        print(f"attempt {result['run_id'] or '(not recorded)'} of {result['attempt_of']}; "
-              f"folder: {result['run_dir']}")
-    return verdict.exit_code
+    console.install()
+    try:
+        result = call_flow(rerun_stages, str(run_dir), list(args.stages), overrides)
+    finally:
+        console.uninstall()
+    return show_verdict(result, as_json=args.json,
+                        footer=f"attempt {result['run_id'] or '(not recorded)'} of {result['attempt_of']}; "
+                               f"folder: {result['run_dir']}",
+                        extra={k: v for k, v in result.items() if k not in ("verdict", "paired", "run_dir")})

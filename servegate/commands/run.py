@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_arguments", "cmd_run", "add_config_source", "load_gate_config"]
+__all__ = ["add_arguments", "cmd_run", "add_config_source", "load_gate_config", "show_verdict"]
 
 
 def add_config_source(parser: argparse.ArgumentParser,
@@ -37,20 +37,62 @@ def add_arguments(subparsers: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    config = load_gate_config(args, [f"output_dir={args.output_dir}"] if args.output_dir else [])
+    quiet = [] if getattr(args, "verbose", False) else ["serving.progress=false"]  # the stage view shows progress
+    config = load_gate_config(args, [*quiet, *([f"output_dir={args.output_dir}"] if args.output_dir else [])])
 
     # Prefect and the flow only once the config is known to be good: a bad --set fails at once.
-    from servegate import jsonio
+    from servegate import console
     from servegate.flows.gate import regression_gate
-    from servegate.render import format_verdict_table
     from servegate.runstate import call_flow
+
+    console.install()
+    try:
+        result = call_flow(regression_gate, config)
+    finally:
+        console.uninstall()
+    return show_verdict(result, as_json=args.json, footer=f"run folder: {result['run_dir']}")
+
+
+def show_verdict(result: dict[str, Any], *, as_json: bool, footer: str, extra: dict[str, Any] | None = None) -> int:
+    """Print a gate flow's result (``run``, ``rerun``): the JSON document, or the metric table, the
+    verdict and where its report is; returns the exit code."""
+    from pathlib import Path
+
+    from servegate import jsonio
+    from servegate.render import format_verdict_table, metric_rows
     from servegate.verdict import Verdict
 
-    result = call_flow(regression_gate, config)
     verdict = Verdict.model_validate(result["verdict"])
-    if args.json:
-        print(jsonio.dumps({**result["verdict"], "run_dir": result["run_dir"]}, indent=True, ascii_only=True))
-    else:
-        print(format_verdict_table(verdict, result.get("paired") or ()))
-        print(f"run folder: {result['run_dir']}")
+    if as_json:
+        print(jsonio.dumps({**result["verdict"], "run_dir": result["run_dir"], **(extra or {})}, indent=True,
+                           ascii_only=True))
+        return verdict.exit_code
+    run_dir = Path(result["run_dir"])
+    print(format_verdict_table(verdict, result.get("paired") or (), _metrics(run_dir, metric_rows)))
+    print(footer)
+    for name in ("report.html", "summary.md"):
+        if (run_dir / name).is_file():
+            print(f"{name.split('.')[0]}: {run_dir / name}")
     return verdict.exit_code
+
+
+def _metrics(run_dir: Any, metric_rows: Any) -> list[list[str]]:
+    """The metric table's rows from the run folder (expectations.json, comparison); none when the
+    folder lacks them (a gate that stopped before validation)."""
+    import json
+
+    from servegate.errors import ServegateError
+    from servegate.results import RunFolder
+
+    try:
+        outcomes = json.loads((run_dir / "expectations.json").read_text())
+    except (OSError, ValueError):
+        outcomes = []
+    comparison: list[dict[str, Any]] = []
+    try:
+        folder = RunFolder.open(run_dir)
+        if folder.has_table("comparison"):
+            comparison = folder.read_table("comparison").to_dict(orient="records")
+    except (OSError, ValueError, ServegateError):
+        pass
+    return metric_rows(outcomes if isinstance(outcomes, list) else [], comparison)

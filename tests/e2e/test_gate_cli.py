@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -64,14 +65,23 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     measured = [r for r in rows if r["status"] == "measured"]
     assert measured and all(r["latency"] > 0 and r["output_throughput"] > 0 for r in measured)
     assert not worker_processes(tmp_path)
+    # The terminal (issue 14): one line per stage, no library's INFO line (Prefect's API client,
+    # httpx, GX, progress bars); those are in the run's gate.log.
+    for stage in ("launch", "warmup", "one_batch", "serving", "occupancy", "quality", "validate"):
+        assert re.search(rf"^✓ {re.escape(stage)} +\d+\.\d s  ok$", proc.stderr, re.M), proc.stderr[-3000:]
+    assert re.search(r"^– paired +skipped: no baseline worker", proc.stderr, re.M), proc.stderr[-3000:]
+    assert not re.search(r" INFO |\| INFO|it/s\]|req/s\]", proc.stderr), proc.stderr[-3000:]
+    log = (run_dir / "gate.log").read_text()
+    assert " INFO httpx: HTTP Request: POST" in log and " INFO prefect.task_runs: Finished in state" in log
 
     # The same run folder and verdict layout as before the redesign (issue 12: behaviour stays the
     # same), recorded from the smoke gate of commit 5910325. Added since, on purpose:
     # summary.not_applicable (issue 11, finding 8: checks the engine cannot provide); the paired
     # stage's record (issue 13: skipped without a baseline worker); verdict.undecided (issue 13);
-    # each stage record's remarks (issue 11: a discarded serving attempt is named there).
+    # each stage record's remarks (issue 11: a discarded serving attempt is named there); gate.log,
+    # where the libraries' log lines go instead of the terminal (issue 14).
     golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
-    assert sorted(p.name for p in run_dir.iterdir()) == golden["files"]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*golden["files"], "gate.log"])
     expected = golden["verdict_json"]
     expected["summary"]["not_applicable"] = "int"
     expected["undecided"] = "list"  # issue 13: gated metrics left undecided, apart from infra errors
@@ -80,6 +90,23 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     recorded = json.loads((run_dir / "stages.json").read_text())
     assert sorted(recorded) == sorted([*golden["stages"], "paired"])
     assert all(sorted(r) == sorted([*golden["stage_record_keys"], "remarks"]) for r in recorded.values()), recorded
+
+
+def test_terminal_shows_the_measured_numbers_and_verbose_brings_the_library_logs_back(tmp_path: Path):
+    """Without --json: the metric table (each measured number with its bound and mark) before the
+    verdict, and where the report is; -v puts the libraries' INFO lines back on the terminal."""
+    cmd = [sys.executable, "-m", "servegate", "-v", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
+           "--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false", "--set", "quality.enabled=false",
+           "--set", "serving.num_prompts=4"]
+    proc = subprocess.run(cmd, cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    table, verdict_line = proc.stdout.split("VERDICT: PASS (exit 0)")
+    assert re.search(r"^ok +serving_summary\.p90_ttft_ms +\d+(\.\d+)? +<= 5000 +threshold$", table, re.M), table
+    assert re.search(r"^ok +serving_summary\.failed +0 +<= 0", table, re.M), table
+    assert re.search(r"^report: .*/report\.html$", verdict_line, re.M), verdict_line
+    assert " INFO httpx: HTTP Request" in proc.stderr and "Finished in state Completed()" in proc.stderr
+    assert re.search(r"^✓ serving +\d+\.\d s  ok$", proc.stderr, re.M), proc.stderr[-3000:]
+    assert not worker_processes(tmp_path)
 
 
 def _schema(obj):

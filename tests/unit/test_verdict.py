@@ -197,3 +197,39 @@ def test_undecided_entries_are_shown_under_their_own_heading_not_as_infrastructu
     for text in (format_verdict_table(v), verdict_markdown(v)):
         assert UNDECIDED_HEADING in text and "Infrastructure" not in text
         assert "undecided: comparison.decision" in text
+
+
+def test_metric_rows_show_each_measured_number_with_its_bound_and_mark():
+    from servegate.render import metric_rows
+
+    outcomes = [o.model_dump(mode="json") for o in (
+        outcome(column="p90_ttft_ms", observed=288.71, allowed="<= 5000"),
+        outcome(column="failed", success=False, observed=3, allowed="<= 0"),
+        outcome(table="one_batch", column="output_throughput", observed={"element_count": 2, "unexpected_count": 1},
+                allowed=">= 3"),
+        # a conditional check with no row to check (accept length without speculation): no row shown
+        outcome(table="occupancy_summary", column="spec_accept_length_median",
+                observed={"element_count": 0, "unexpected_count": 0}),
+        not_produced("quality_accuracy"),
+    )]
+    outcomes.append({**outcomes[0], "column": "fwd_occupancy_median", "applicable": False, "observed": 12.0})
+    comparison = [
+        {"metric": "itl_median_ms", "case": "", "gated": True, "decision": "regression", "ratio": 1.2,
+         "ci_low": 1.1, "ci_high": 1.3, "bound": 0.05, "current_median": 60.0, "baseline_median": 50.0},
+        {"metric": "ttft_p90_ms", "case": "bs=1", "gated": True, "decision": "inconclusive", "ratio": 1.01,
+         "ci_low": 0.9, "ci_high": 1.12, "bound": 0.05, "current_median": 10.1, "baseline_median": 10.0},
+        {"metric": "output_throughput", "case": "", "gated": False, "decision": "report_only", "ratio": 1.0,
+         "ci_low": 1.0, "ci_high": 1.0, "bound": 0.05, "current_median": 1.0, "baseline_median": 1.0},
+    ]
+    rows = metric_rows(outcomes, comparison)
+    assert [r[:3] for r in rows] == [
+        ["ok", "serving_summary.p90_ttft_ms", "288.7"],
+        ["FAIL", "serving_summary.failed", "3"],
+        ["ok", "one_batch.output_throughput", "2 row(s), 1 outside"],
+        ["n/a", "serving_summary.fwd_occupancy_median", "12"],
+        ["FAIL", "itl_median_ms", "60 vs 50"],
+        ["UNDECIDED", "ttft_p90_ms [bs=1]", "10.1 vs 10"],
+    ]
+    assert rows[0][3] == "<= 5000" and rows[4][3] == "×1.2000 [1.1000, 1.3000] vs bound 5.0%"
+    table = format_verdict_table(decide_verdict([outcome()], []), metrics=rows)
+    assert table.index("serving_summary.p90_ttft_ms") < table.index("VERDICT: PASS")
