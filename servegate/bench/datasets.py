@@ -337,6 +337,7 @@ def load_prompt_tokenizer(model: str) -> Any:
     except (OSError, ValueError) as exc:
         raise ModelUnavailableError(
             f"could not load the tokenizer of {model!r} offline ({exc}); a text-only protocol (openai-text) needs "
-            f"it to decode the random token-id prompts — give worker.model as a servegate alias "
+            f"it to decode token-id prompts, and the sharegpt and jsonl datasets to encode their text — give "
+            f"worker.model as a servegate alias "
             f"({sorted(MODEL_ALIASES)}) fetched with `servegate model fetch`, a local model directory, or a "
             f"Hugging Face id that is in the local cache") from exc
