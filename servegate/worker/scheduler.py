@@ -44,7 +44,7 @@ from servegate.worker.faults import FaultConfig
 from servegate.worker.kv_budget import PrefixCache, TokenBudget
 from servegate.worker.metrics import OccupancyWindow, ThroughputWindow, WorkerMetrics, now
 from servegate.worker.request import KV, Request
-from servegate.worker.sampling import Sampler, SamplingParams
+from servegate.worker.sampling import Sampler, SamplingParams, top_logprobs
 
 __all__ = ["SchedulerConfig", "Scheduler", "STEP_ERROR_PREFIX"]
 
@@ -420,6 +420,32 @@ class Scheduler:
             self._publish_state_locked()
 
     # ------------------------------------------------------------------ speculation hook
+    def _spec_logprobs(self, req: Request) -> None:
+        """Prompt and output log-probs of a speculative request, from one scoring pass over prompt + output.
+
+        Verification passes see drafts that were rejected, so their logits are not the ones to
+        report; one forward over what was emitted gives exactly SGLang's shapes (as ``Batch``).
+        """
+        ids = [*req.input_ids, *req.output_ids]
+        n = len(req.input_ids)
+        logits = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.model.device),
+                            use_cache=False).logits[0].float()
+        if self.faults.corrupt_logits:
+            logits = torch.roll(logits, shifts=1, dims=-1)
+        lp = torch.log_softmax(logits, dim=-1)
+        start = req.logprob_start_len
+        if 0 <= start < n:
+            prompt = req.input_ids
+            targets = torch.tensor(prompt[1:], dtype=torch.long)
+            token_lp = lp[:n - 1].gather(1, targets[:, None]).squeeze(1).tolist() if n > 1 else []
+            full: list[tuple[float | None, int]] = [(None, prompt[0])] + list(zip(token_lp, prompt[1:]))
+            req.input_token_logprobs = [(None, prompt[start])] + full[start + 1:]
+            if req.top_logprobs_num > 0:
+                req.input_top_logprobs = [None] + [top_logprobs(lp[i - 1], req.top_logprobs_num)
+                                                   for i in range(start + 1, n)]
+        for i, token in enumerate(req.output_ids):
+            req.record_output_logprobs(lp[n - 1 + i], token)
+
     def _publish_spec_window(self) -> None:
         """Set ``sglang:spec_accept_length`` to the window's accept length and start a new window.
 
@@ -484,6 +510,8 @@ class Scheduler:
             should_stop=lambda: state["reason"] is not None or req.aborted or self._stopping,
             logits_processor=processor, replace_drafts=replace_drafts, on_verify=on_verify)
         self._publish_spec_window()  # a request's last partial window shows too
+        if req.return_logprob:
+            self._spec_logprobs(req)
         with self._cv:
             req.spec_verify_ct = result.verify_ct
             self._spec_tokens += len(req.output_ids)

@@ -53,3 +53,21 @@ def test_random_drafts_fault_needs_speculation(start_worker) -> None:
     worker = start_worker(["--fault-random-drafts"], wait=False)
     assert worker.wait_exit(60) != 0
     assert "--fault-random-drafts needs --speculative-algorithm NGRAM" in worker.log_text()
+
+
+def test_speculative_mode_returns_the_same_logprobs_as_plain_decoding(start_worker) -> None:
+    """The quality stage scores prompts (return_logprob, logprob_start_len) on a speculative worker too."""
+    plain = start_worker(["--enable-metrics"])
+    spec = start_worker([*SPEC_ARGS, "--fault-random-drafts"])
+    body = {**LOOP_BODY, "sampling_params": {**LOOP_BODY["sampling_params"], "max_new_tokens": 8},
+            "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 2}
+    want = generate(plain.url, body).json()["meta_info"]
+    got = generate(spec.url, body).json()["meta_info"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert len(got[key]) == len(want[key]) > 0
+        for (lp_got, tok_got, _), (lp_want, tok_want, _) in zip(got[key], want[key]):
+            assert tok_got == tok_want
+            assert (lp_got is None) == (lp_want is None)
+            if lp_want is not None:
+                assert lp_got == pytest.approx(lp_want, abs=1e-4)
+    assert [t for _, t, _ in got["output_top_logprobs"][0]] == [t for _, t, _ in want["output_top_logprobs"][0]]
