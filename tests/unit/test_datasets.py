@@ -129,7 +129,9 @@ def test_gamma_schedule_statistics() -> None:
         assert gaps.mean() == pytest.approx(1 / rate, rel=0.08)
         assert gaps.var() == pytest.approx(1 / (shape * rate**2), rel=0.2)  # burstier: larger variance
         assert scipy_stats.kstest(gaps, "gamma", args=(shape, 0, 1 / (rate * shape))).pvalue > 0.01
-    np.testing.assert_array_equal(arrival_schedule(50, "gamma", rate, 2, 0.5), arrival_schedule(50, "gamma", rate, 2, 0.5))
+    seeded = arrival_schedule(50, "gamma", rate, 2, 0.5)
+    np.testing.assert_array_equal(seeded, arrival_schedule(50, "gamma", rate, 2, 0.5))
+    assert not np.array_equal(seeded, arrival_schedule(50, "gamma", rate, 3, 0.5))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
