@@ -14,6 +14,13 @@ samples, through a confidence interval for the ratio of their statistics
   produces false alarms. Tails also get a wider minimum effect (:data:`DEFAULT_TAIL_BOUND`).
   For ITL the order-statistic interval only decides *whether* the tail is gated; its interval
   then comes from the per-request bootstrap at the 0.99 quantile.
+- **one value per run** (the capacity sweep's ``capacity_rps``): the current run has one sample,
+  so its interval is all run-to-run noise: the spread of the baseline runs' values (at least
+  ``min_samples`` = 2 baseline runs, else ``insufficient_data``), floored by the calibrated figure.
+  Its bound is at least one and a half sweep steps (from the widest last-good..first-bad bracket:
+  23 % for growth 2 with 2 refine steps, whose step is 2**0.25): a capacity at the edge of a step
+  moves by a whole step between runs of an unchanged worker, so one step is ``no_change`` and two
+  steps are decided.
 
 Decisions (:func:`decide_change`), with ``bound`` the minimum effect that matters
 (``DEFAULT_BOUND`` = 5 %) — a non-inferiority test, so that "no regression" is shown, not assumed:
@@ -49,7 +56,8 @@ from servegate.baseline import Baseline, BaselinePolicy, resolve_baseline
 from servegate.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, Samples, between_run_sd, ratio_ci_median,
                                  ratio_ci_quantile, ratio_ci_quantile_clustered)
 from servegate.errors import ConfigError
-from servegate.gated_metrics import GATED_METRICS, Direction, GatedMetric, extract_requests, extract_samples
+from servegate.gated_metrics import (GATED_METRICS, Direction, GatedMetric, extract_requests, extract_samples,
+                                     resolution_log)
 from servegate.history import GateKey, Store
 from servegate.tables import COMPARISON_COLUMNS
 
@@ -96,6 +104,17 @@ def decide_change(ci_low: float, ci_high: float, direction: Direction, bound: fl
 
 
 # ---- the comparison table -----------------------------------------------------------------
+def _resolution_bound(metric: GatedMetric, bound: float, current: Mapping[str, pd.DataFrame],
+                      baseline: Sequence[Mapping[str, pd.DataFrame]]) -> float:
+    """The minimum effect for a per-run value known only within a bracket (the sweep's last good ..
+    first bad rate): no smaller than one and a half brackets (the widest, in log). A capacity that
+    sits at the edge of a sweep step moves by one whole step between runs of an unchanged worker,
+    so a change of one step is not a regression; two steps are."""
+    widths = [resolution_log(metric, t) for t in (current, *baseline)]
+    widths = [w for w in widths if math.isfinite(w)]
+    return max(bound, 1 - math.exp(-1.5 * max(widths))) if widths else bound
+
+
 def _row(metric: GatedMetric, case: str, **values: Any) -> dict[str, Any]:
     row: dict[str, Any] = {c: math.nan for c in COMPARISON_COLUMNS}
     row.update(metric=metric.metric, table=metric.table, case=case, statistic=metric.statistic, unit=metric.unit,
@@ -132,6 +151,8 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
         cur_requests = extract_requests(metric, current)
         base_requests = [extract_requests(metric, tables) for _, tables in baseline_runs]
         metric_bound = tail_bound if metric.statistic != "median" else bound
+        if metric.resolution_columns is not None:
+            metric_bound = _resolution_bound(metric, metric_bound, current, [t for _, t in baseline_runs])
         for c_index, (case, cur) in enumerate(cur_cases.items()):
             groups = [b[case] for b in base_by_run if case in b]
             n_base = int(sum(g.size for g in groups))
@@ -155,7 +176,12 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
                                              else "no baseline runs: too little history")
                 rows.append(_row(metric, case, decision="insufficient_data", reason=reason, **common))
                 continue
-            if min(cur.size, n_base) < metric.min_samples:
+            if metric.per_run and len(groups) < metric.min_samples:
+                rows.append(_row(metric, case, decision="insufficient_data",
+                                 reason=f"one value per run: {len(groups)} baseline run(s) have it, "
+                                        f"{metric.min_samples} needed to know its run-to-run spread", **common))
+                continue
+            if not metric.per_run and min(cur.size, n_base) < metric.min_samples:
                 short = (f"{min(cur.size, n_base)} sample(s) on a side, {metric.min_samples} needed")
                 if not metric.gate_below_min:
                     rows.append(_row(metric, case, decision="report_only", gated=False,

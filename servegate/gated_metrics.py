@@ -4,7 +4,8 @@ samples are in a run's tables.
 A :class:`GatedMetric` names a table and column, a unit, which direction is better, and the
 statistic compared (median or p99); :data:`GATED_METRICS` is the catalogue the compare stage,
 calibration and the report share. :func:`extract_samples` and :func:`extract_requests` read one
-run's finite samples (per request, per token, per scrape, per one-batch case) for a metric.
+run's finite samples (per request, per token, per scrape, per one-batch case) for a metric;
+:func:`resolution_log` how finely a per-run value (the capacity) was resolved.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-__all__ = ["Direction", "GatedMetric", "GATED_METRICS", "extract_samples", "extract_requests"]
+__all__ = ["Direction", "GatedMetric", "GATED_METRICS", "extract_samples", "extract_requests", "resolution_log"]
 
 Direction = Literal["lower_is_better", "higher_is_better"]
 
@@ -34,6 +35,12 @@ class GatedMetric:
     list_column: bool = False  # the column holds a list per row (itls_ms): pool the elements
     case_columns: tuple[str, ...] = ()  # compare per case (one-batch grid point)
     gate_below_min: bool = True  # False: fewer than min_samples -> report_only, not insufficient_data
+    per_run: bool = False
+    """One value per run (the capacity sweep's result): the current side is that value, its spread is
+    between runs only, and ``min_samples`` counts baseline runs."""
+    resolution_columns: tuple[str, str] | None = None
+    """(low, high) columns bracketing a per-run value (the sweep's last good and first bad rate): the
+    value is only known to within their ratio, which floors the run-to-run noise term."""
 
     @property
     def metric(self) -> str:
@@ -64,6 +71,9 @@ GATED_METRICS: tuple[GatedMetric, ...] = (
     # Occupancy: one sample per scrape (NaN window starts dropped).
     GatedMetric("occupancy.fwd_occupancy", "occupancy_samples", "fwd_occupancy", "%", "higher_is_better",
                 min_samples=5),
+    # Capacity: one value per run, compared over baseline runs (at least 2, for their spread).
+    GatedMetric("capacity.capacity_rps", "capacity", "capacity_rps", "req/s", "higher_is_better", min_samples=2,
+                per_run=True, resolution_columns=("last_good_rate", "first_bad_rate")),
 )
 
 
@@ -122,3 +132,19 @@ def extract_requests(metric: GatedMetric, tables: Mapping[str, pd.DataFrame]) ->
     if clusters:
         out[""] = clusters
     return out
+
+
+def resolution_log(metric: GatedMetric, tables: Mapping[str, pd.DataFrame]) -> float:
+    """``log(high / low)`` of a per-run metric's bracketing columns in one run (the sweep's last good
+    and first bad rate): the relative width within which its value is known. NaN when not bracketed
+    (no such columns, a capacity at max_rate or below the start rate)."""
+    df = tables.get(metric.table)
+    if metric.resolution_columns is None or df is None or df.empty:
+        return float("nan")
+    low_col, high_col = metric.resolution_columns
+    if low_col not in df.columns or high_col not in df.columns:
+        return float("nan")
+    low = pd.to_numeric(df[low_col], errors="coerce").to_numpy(dtype=float)
+    high = pd.to_numeric(df[high_col], errors="coerce").to_numpy(dtype=float)
+    ok = np.isfinite(low) & np.isfinite(high) & (low > 0) & (high > low)
+    return float(np.max(np.log(high[ok] / low[ok]))) if ok.any() else float("nan")
