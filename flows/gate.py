@@ -14,8 +14,9 @@ from prefect import flow
 
 from servegate.config import GateConfig
 from servegate.runstate import GateRun, resolve_config
-from servegate.stages import MEASUREMENT_STAGES, STAGES, StageResult, spec
+from servegate.stages import MEASUREMENT_STAGES, STAGES, StageResult, check_config, spec
 from servegate.tasks._stage import outcome
+from servegate.tasks.capacity import capacity
 from servegate.tasks.compare import compare
 from servegate.tasks.flush import flush
 from servegate.tasks.launch import launch
@@ -29,7 +30,7 @@ from servegate.tasks.validate import validate
 from servegate.tasks.verdict import verdict
 from servegate.tasks.warmup import warmup
 
-MEASURE_TASKS = {t.name: t for t in (one_batch, serving, occupancy, quality, paired)}
+MEASURE_TASKS = {t.name: t for t in (one_batch, serving, occupancy, quality, capacity, paired)}
 if set(MEASURE_TASKS) != set(MEASUREMENT_STAGES) or {"launch", "warmup"} | set(MEASURE_TASKS) != set(STAGES):
     raise ImportError(f"servegate.stages declares {list(STAGES)} but the flow has tasks for "
                       f"{['launch', 'warmup', *MEASURE_TASKS]}")
@@ -77,6 +78,8 @@ def regression_gate(config: GateConfig | None = None, profile: str | None = None
     Give a full ``config``, or a shipped ``profile`` name plus ``section.field=value``
     ``overrides`` (what deployments use: ``profile: smoke``).
     """
-    run = GateRun.open(resolve_config(config, profile, overrides))
+    config = resolve_config(config, profile, overrides)
+    check_config(config)  # a stage that could not measure with this config fails before a worker starts
+    run = GateRun.open(config)
     recorded = measure_and_decide(run)
     return {"verdict": recorded.verdict.model_dump(mode="json"), "run_dir": str(run.path), "paired": recorded.paired}

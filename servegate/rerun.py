@@ -39,7 +39,7 @@ from servegate.config import GateConfig, apply_overrides
 from servegate.errors import ConfigError
 from servegate.results import REDACTED, RunFolder, StageRecord
 from servegate.runstate import GateRun
-from servegate.stages import MEASUREMENT_STAGES, STAGES
+from servegate.stages import MEASUREMENT_STAGES, STAGES, check_config
 
 __all__ = ["RERUN_FILE", "ATTEMPTS_DIR", "RerunPlan", "resolve_run_dir", "plan_rerun", "open_attempt"]
 
@@ -107,10 +107,12 @@ def _check_overrides(overrides: list[str], carried: list[str]) -> None:
             raise ConfigError(f"--set {item}: {key} is part of the gate key; an attempt re-runs the same gate. "
                               f"Start a new gate with `servegate run` instead")
         section = key.split(".", 1)[0]
-        if section in carried:
-            raise ConfigError(f"--set {item}: stage {section} is carried from the original run, not re-measured; "
-                              f"its tables would no longer match the config. Re-run it too (--task {section}) "
-                              f"or drop the override")
+        # A carried stage's tables answer its own section and the sections it reads (capacity: serving).
+        for stage in carried:
+            if section == stage or section in STAGES[stage].reads:
+                raise ConfigError(f"--set {item}: stage {stage} is carried from the original run, not re-measured, "
+                                  f"and its tables depend on {section}.*; they would no longer match the config. "
+                                  f"Re-run it too (--task {stage}) or drop the override")
 
 
 def _attempt_config(folder: RunFolder, overrides: list[str]) -> GateConfig:
@@ -169,6 +171,7 @@ def plan_rerun(run_dir: str | Path, stages: list[str], overrides: list[str] | No
     if disabled:
         raise ConfigError(f"{disabled} disabled in the run's config; enable with "
                           + " ".join(f"--set {s}.enabled=true" for s in disabled))
+    check_config(config, ordered)  # before anything is launched, like the gate
     carried: dict[str, StageRecord] = {}
     must_rerun: dict[str, str] = {}
     for name in carried_names:

@@ -10,7 +10,7 @@ results on to compare, validate, verdict and record.
 
 Pipeline::
 
-    launch -> warmup -> (flush -> measure) for one_batch, serving, occupancy, quality
+    launch -> warmup -> (flush -> measure) for one_batch, serving, occupancy, quality, capacity
            -> paired (its own baseline and candidate workers, when a baseline is configured)
            -> compare -> validate -> verdict -> record
 """
@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from servegate.launch import WorkerHandle
     from servegate.results import RunFolder, StageRecord
 
-__all__ = ["StageSpec", "StageResult", "STAGES", "MEASUREMENT_STAGES", "RERUNNABLE", "Status", "spec", "tables_of"]
+__all__ = ["StageSpec", "StageResult", "STAGES", "MEASUREMENT_STAGES", "RERUNNABLE", "Status", "spec", "tables_of",
+           "check_config"]
 
 Status = Literal["ok", "failed", "skipped", "not_applicable"]
 
@@ -123,6 +124,12 @@ class StageSpec:
     own_workers: bool = False
     """A measurement that launches, warms up, flushes and stops its own workers (the paired stage):
     it does not use the gate's worker, which is stopped before it runs."""
+    reads: tuple[str, ...] = ()
+    """Config sections besides its own that shape what it measures (capacity loads with serving's
+    dataset and SLOs): a re-run that carries the stage must not change them."""
+    check: "Callable[[GateConfig], None] | None" = None
+    """Raises ConfigError when the enabled stage could not measure with this config; run before any
+    worker starts (:func:`check_config`)."""
 
     @property
     def tables(self) -> tuple[str, ...]:
@@ -171,15 +178,21 @@ def _one_batch(run: RunContext, result: StageResult) -> None:
     run.folder.write_jsonl("one_batch", table.to_dict(orient="records"))
 
 
-def _serving(run: RunContext, result: StageResult) -> None:
+def _prompt_tokenizer(run: RunContext) -> Any:
+    """The tokenizer the serving load needs (serving and capacity), loaded once per stage, or None."""
     from servegate.bench.datasets import load_prompt_tokenizer
-    from servegate.bench.flush import flush_until_idle
     from servegate.bench.protocol import protocol_for
+
+    # A text-only protocol gets its prompts decoded by the model's tokenizer.
+    wire = protocol_for(run.engine, run.config.serving.protocol)
+    return load_prompt_tokenizer(run.config.worker.model) if wire.needs_text_prompts else None
+
+
+def _serving(run: RunContext, result: StageResult) -> None:
+    from servegate.bench.flush import flush_until_idle
     from servegate.bench.serving import run_serving
 
-    # A text-only protocol gets its prompts decoded by the model's tokenizer, loaded once per run.
-    wire = protocol_for(run.engine, run.config.serving.protocol)
-    tokenizer = load_prompt_tokenizer(run.config.worker.model) if wire.needs_text_prompts else None
+    tokenizer = _prompt_tokenizer(run)
     cfg = run.config.serving
     discarded: list[str] = []
     for attempt in range(1, cfg.invalid_client_retries + 2):
@@ -218,6 +231,23 @@ def _quality(run: RunContext, result: StageResult) -> None:
                          quality_agreement=out.agreement, quality_agreement_rows=out.agreement_rows)
 
 
+def _capacity(run: RunContext, result: StageResult) -> None:
+    from servegate.bench.capacity import run_capacity
+
+    out = run_capacity(run.base_url, run.engine, run.config, api_key=run.api_key, tokenizer=_prompt_tokenizer(run),
+                       partial=result.tables)
+    result.tables.update(capacity_steps=out.steps, capacity=out.capacity)
+    invalid = out.steps[~out.steps["client_valid"].astype(bool)]
+    result.remarks.extend(f"capacity step {int(r.step)} at {r.request_rate:.4g} req/s discarded: client not valid, "
+                          f"load run again" for r in invalid.itertuples())
+
+
+def _check_capacity(config: "GateConfig") -> None:
+    from servegate.bench.capacity import check_capacity_config
+
+    check_capacity_config(config)
+
+
 def _paired(run: RunContext, result: StageResult) -> None:
     from servegate.paired.rounds import run_paired
 
@@ -241,6 +271,10 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in (
               needs_why="exposes no Prometheus metrics the gate can rely on"),
     StageSpec("quality", "quality", flushed=True, run=_quality, needs="has_logprobs",
               needs_why="does not promise the prompt log-probabilities the quality stage scores"),
+    # Last on the gate's worker: the sweep is the longest, most loading measurement (it drives the
+    # worker past its capacity), so the stages before it are measured as they would be without it
+    # and a worker it overloads or kills costs none of them.
+    StageSpec("capacity", "capacity", flushed=True, run=_capacity, reads=("serving",), check=_check_capacity),
     StageSpec("paired", "paired", flushed=False, run=_paired, own_workers=True),
 )}
 """The worker's stages in gate order. compare, validate, verdict and record work on their results."""
@@ -253,6 +287,15 @@ MEASUREMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES.values() if s
 the paired stage (last) runs its own workers."""
 RERUNNABLE: tuple[str, ...] = tuple(s.name for s in STAGES.values() if s.rerunnable)
 """What ``servegate rerun --task`` accepts."""
+
+
+def check_config(config: "GateConfig", stages: "tuple[str, ...] | list[str] | None" = None) -> None:
+    """Run the config checks of the enabled ``stages`` (default: all): ConfigError before any worker starts."""
+    for name in stages if stages is not None else STAGES:
+        declared = STAGES[name]
+        section = getattr(config, declared.section, None) if declared.section else None
+        if declared.check is not None and getattr(section, "enabled", True):
+            declared.check(config)
 
 
 def spec(name: str) -> StageSpec:

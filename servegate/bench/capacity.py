@@ -33,7 +33,7 @@ from servegate.errors import ConfigError, StageError
 from servegate.tables import CAPACITY_COLUMNS, CAPACITY_STEP_COLUMNS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from servegate.config import CapacityConfig, FlushConfig, GateConfig, ServingConfig
+    from servegate.config import CapacityConfig, GateConfig, ServingConfig
     from servegate.engines.base import Engine
 
 __all__ = ["Step", "CapacityResult", "check_capacity_config", "next_step", "sweep_result", "run_capacity"]
