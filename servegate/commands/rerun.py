@@ -25,6 +25,7 @@ def add_arguments(subparsers: Any) -> None:
                             "(not gate-key fields, not carried stages' sections)")
     rerun.add_argument("--db", metavar="URL", help="history database to look RUN up in (default $SERVEGATE_DB)")
     rerun.add_argument("--json", action="store_true", help="print the verdict as JSON instead of a table")
+    rerun.add_argument("--github", action="store_true", help="GitHub Actions outputs, as for `servegate run --github`")
     rerun.set_defaults(func=cmd_rerun)
 
 
@@ -47,4 +48,5 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return show_verdict(result, as_json=args.json,
                         footer=f"attempt {result['run_id'] or '(not recorded)'} of {result['attempt_of']}; "
                                f"folder: {result['run_dir']}",
-                        extra={k: v for k, v in result.items() if k not in ("verdict", "paired", "run_dir")})
+                        extra={k: v for k, v in result.items() if k not in ("verdict", "paired", "run_dir")},
+                        github=args.github)

@@ -33,6 +33,10 @@ def add_arguments(subparsers: Any) -> None:
     add_config_source(run)
     run.add_argument("--output-dir", help="parent folder of the run folder (config output_dir)")
     run.add_argument("--json", action="store_true", help="print the verdict as JSON instead of a table")
+    run.add_argument("--github", action="store_true",
+                     help="GitHub Actions outputs (also when GITHUB_ACTIONS=true): summary.md appended to "
+                          "$GITHUB_STEP_SUMMARY, ::error per breach and ::warning per undecided metric, "
+                          "pr_comment.md in the run folder")
     run.set_defaults(func=cmd_run)
 
 
@@ -50,19 +54,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = call_flow(regression_gate, config)
     finally:
         console.uninstall()
-    return show_verdict(result, as_json=args.json, footer=f"run folder: {result['run_dir']}")
+    return show_verdict(result, as_json=args.json, footer=f"run folder: {result['run_dir']}",
+                        github=bool(getattr(args, "github", False)))
 
 
-def show_verdict(result: dict[str, Any], *, as_json: bool, footer: str, extra: dict[str, Any] | None = None) -> int:
+def show_verdict(result: dict[str, Any], *, as_json: bool, footer: str, extra: dict[str, Any] | None = None,
+                 github: bool = False) -> int:
     """Print a gate flow's result (``run``, ``rerun``): the JSON document, or the metric table, the
-    verdict and where its report is; returns the exit code."""
+    verdict and where its report is; GitHub's outputs too (``servegate.ci_output``); returns the
+    exit code."""
     from pathlib import Path
 
     from servegate import jsonio
+    from servegate.ci_output import github_enabled, write_github_outputs
     from servegate.render import format_verdict_table, metric_rows
     from servegate.verdict import Verdict
 
     verdict = Verdict.model_validate(result["verdict"])
+    if github_enabled(github):
+        write_github_outputs(verdict, _gate_key(Path(result["run_dir"])), Path(result["run_dir"]))
     if as_json:
         print(jsonio.dumps({**result["verdict"], "run_dir": result["run_dir"], **(extra or {})}, indent=True,
                            ascii_only=True))
@@ -96,3 +106,17 @@ def _metrics(run_dir: Any, metric_rows: Any) -> list[list[str]]:
     except (OSError, ValueError, ServegateError):
         pass
     return metric_rows(outcomes if isinstance(outcomes, list) else [], comparison)
+
+
+def _gate_key(run_dir: Any) -> str:
+    """The run's gate key, from its manifest and config snapshot."""
+    import json
+
+    from servegate.history.keys import GateKey
+
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        config = json.loads((run_dir / "config.json").read_text())
+        return str(GateKey.from_run(manifest, config))
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir.name  # a folder without its records still gets its annotations

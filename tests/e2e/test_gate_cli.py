@@ -34,10 +34,12 @@ FAST = [
 
 
 
-def _run(tmp_path: Path, *args: str, timeout: float = 840) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *args: str, timeout: float = 840, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *FAST, *args]
-    return subprocess.run(cmd, cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env={**gate_env(tmp_path), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 
@@ -127,13 +129,27 @@ def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
         "meta": {"source": "test: impossible threshold"},
     })
     (suites / "smoke.json").write_text(json.dumps(smoke))
-    proc = _run(tmp_path, "--set", f"validate.expectations_dir={suites}", "--set", "occupancy.enabled=false")
+    # As a GitHub Actions job runs it (issue 14): the job summary, annotations, the PR comment body.
+    step_summary = tmp_path / "step_summary.md"
+    step_summary.write_text("## an earlier step's summary\n")
+    proc = _run(tmp_path, "--set", f"validate.expectations_dir={suites}", "--set", "occupancy.enabled=false",
+                env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(step_summary)})
     verdict = stdout_json(proc)
     assert proc.returncode == 1, f"{verdict}\n{proc.stderr[-4000:]}"
     assert verdict["status"] == "fail"
     named = [b for b in verdict["breaches"] if b["column"] == "output_throughput"]
     assert named, verdict["breaches"]
     assert not worker_processes(tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("::error ")]
+    assert len(errors) == len(verdict["breaches"]) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("::error title=servegate smoke/embedded/cpu-2core/smollm2-135m%3A regression::"
+                                "serving_summary.output_throughput: observed "), errors
+    assert "allowed >= 1e+06" in errors[0] and "(test: impossible threshold)" in errors[0], errors
+    summary = step_summary.read_text()
+    assert summary.startswith("## an earlier step's summary\n## servegate: **fail**"), summary
+    assert summary.rstrip().endswith((Path(verdict["run_dir"]) / "summary.md").read_text().rstrip())
+    comment = (Path(verdict["run_dir"]) / "pr_comment.md").read_text()
+    assert comment.startswith("<!-- servegate:smoke/embedded/cpu-2core/smollm2-135m -->\n## servegate: **fail**")
 
 
 def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: Path):

@@ -233,3 +233,19 @@ def test_metric_rows_show_each_measured_number_with_its_bound_and_mark():
     assert rows[0][3] == "<= 5000" and rows[4][3] == "×1.2000 [1.1000, 1.3000] vs bound 5.0%"
     table = format_verdict_table(decide_verdict([outcome()], []), metrics=rows)
     assert table.index("serving_summary.p90_ttft_ms") < table.index("VERDICT: PASS")
+
+
+def test_github_annotations_name_each_breach_and_undecided_metric_and_cannot_be_forged():
+    from servegate.ci_output import annotations, comment_marker
+
+    v = decide_verdict([outcome(success=False, observed=3, source="absolute: 50%\nnext"),
+                        comparison_outcome("undecided", "inconclusive")], ["worker died: ::error::forged\r\nline"])
+    lines = annotations(v, "smoke/embedded/cpu-2core/smollm2-135m")
+    assert lines[0] == ("::error title=servegate smoke/embedded/cpu-2core/smollm2-135m%3A regression::"
+                        "serving_summary.failed: observed 3, allowed <= 0 (absolute: 50%25%0Anext)")
+    assert [line.split("::")[1].split(" title=")[0] for line in lines] == ["error", "warning", "warning"]
+    assert "undecided::" in lines[1] and "comparison.decision" in lines[1]
+    # a server's text cannot end the command early or start another one
+    assert lines[2].endswith("could not decide::worker died: ::error::forged\N{REPLACEMENT CHARACTER}%0Aline")
+    assert all("\n" not in line and "\r" not in line for line in lines)
+    assert comment_marker("a,b:c") == "<!-- servegate:a%2Cb%3Ac -->"
