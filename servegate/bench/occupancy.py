@@ -6,6 +6,12 @@ several ranks (one label set per ``tp_rank``/``dp_rank``) the scrape keeps the M
 occupancy — one degraded rank stalls the whole batch and must show — and the MAX of token
 usage and running/queued requests. The summary is the median over scrapes.
 
+Speculative accept length: SGLang (and the embedded worker) export a gauge,
+``sglang:spec_accept_length``, per decode-log window; vLLM exports counters instead
+(``vllm:spec_decode_num_accepted_tokens`` / ``_num_drafts``), so for an engine that declares
+``spec_decode_counters`` each scrape interval's accept length is ``1 + d(accepted) / d(drafts)``
+summed over engines (NaN when no draft was verified in the interval).
+
 The page is parsed with ``prometheus_client``'s text parser. Scrapes are paced with
 ``threading.Event.wait`` on the request's completion event, so the loop ends the moment the
 request finishes instead of sleeping through a last interval.
@@ -49,6 +55,8 @@ __all__ = [
     "OccupancyResult",
     "parse_metrics_page",
     "aggregate_scrape",
+    "counter_totals",
+    "accept_length_between",
     "scrape_metrics",
     "run_occupancy",
 ]
@@ -96,6 +104,29 @@ def aggregate_scrape(values: dict[str, list[float]], metric_names: dict[str, str
         finite = [v for v in values.get(name, []) if not math.isnan(v)] if name else []
         out[logical] = float(combine(finite)) if finite else math.nan
     return out
+
+
+def counter_totals(values: dict[str, list[float]], counters: dict[str, str]) -> dict[str, float]:
+    """Each counter's value summed over its label sets (engines, ranks); NaN when absent."""
+    out: dict[str, float] = {}
+    for logical, name in counters.items():
+        finite = [v for v in values.get(name, []) if not math.isnan(v)]
+        out[logical] = float(sum(finite)) if finite else math.nan
+    return out
+
+
+def accept_length_between(before: dict[str, float], after: dict[str, float]) -> float:
+    """Mean speculative accept length between two scrapes of vLLM's counters: ``1 + d(accepted) /
+    d(drafts)`` (vLLM's own definition, bonus token included: vllm/v1/spec_decode/metrics.py).
+
+    NaN when no draft was verified in between (idle, or speculation off), when a counter is absent,
+    or when a counter went back (the server restarted): no drafts is no measurement, never 1.
+    """
+    accepted = after.get("accepted", math.nan) - before.get("accepted", math.nan)
+    drafts = after.get("drafts", math.nan) - before.get("drafts", math.nan)
+    if math.isnan(accepted) or math.isnan(drafts) or drafts <= 0 or accepted < 0:
+        return math.nan
+    return 1.0 + accepted / drafts
 
 
 def scrape_metrics(session: requests.Session, base_url: str, engine: Engine,
@@ -190,6 +221,10 @@ def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: 
         # Fail before loading the server when metrics are not served at all.
         first = scrape_metrics(http, base_url, engine)
         seen.update(k for k, name in engine.metric_names.items() if name in first)
+        # An engine without an accept-length gauge (vLLM) has spec-decode counters: the accept length
+        # of each scrape interval is derived from their increments (a windowed value, like SGLang's gauge).
+        counters: dict[str, str] = getattr(engine, "spec_decode_counters", None) or {}
+        last_counts = counter_totals(first, counters)
         model = wire.served_model(http, base_url, limit_s=min(cfg.request_timeout_s, 30.0),
                                   setting="occupancy.request_timeout_s")
         body = wire.body(cfg.prompt, cfg.max_new_tokens, model=model, stream=False)
@@ -200,7 +235,12 @@ def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: 
             values = scrape_metrics(http, base_url, engine)
             n_scrapes += 1
             seen.update(k for k, name in engine.metric_names.items() if name in values)
-            rows.append({"t_s": time.perf_counter() - t0, **aggregate_scrape(values, engine.metric_names)})
+            row = {"t_s": time.perf_counter() - t0, **aggregate_scrape(values, engine.metric_names)}
+            if counters:
+                counts = counter_totals(values, counters)
+                row["spec_accept_length"] = accept_length_between(last_counts, counts)
+                last_counts = counts
+            rows.append(row)
         load.join()
         if load.error is not None:
             raise load.error

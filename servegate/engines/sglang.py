@@ -15,10 +15,11 @@ import requests
 from servegate.budgets import SGLangBudget
 from servegate.config import WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
-from servegate.errors import FlushError, StageError
+from servegate.errors import ConfigError, FlushError, StageError
 from servegate.http import body_excerpt, join_url, json_body, request_within
 
-__all__ = ["SGLangEngine", "SGLANG_METRIC_NAMES", "parse_server_info", "fetch_sglang_server_info", "sglang_flush"]
+__all__ = ["SGLangEngine", "SGLANG_METRIC_NAMES", "SGLANG_SPECULATIVE_ALGORITHMS", "parse_server_info",
+           "fetch_sglang_server_info", "sglang_flush", "sglang_speculative_flags"]
 
 SGLANG_METRIC_NAMES: dict[str, str] = {
     "fwd_occupancy": "sglang:fwd_occupancy",
@@ -27,6 +28,13 @@ SGLANG_METRIC_NAMES: dict[str, str] = {
     "num_running_reqs": "sglang:num_running_reqs",
     "num_queue_reqs": "sglang:num_queue_reqs",
 }
+
+# sglang/srt/server_args.py, ServerArgs.speculative_algorithm (checked against SGLang's source and
+# test launch commands: docs/speculation.md). NEXTN is SGLang's alias of EAGLE for MTP heads.
+SGLANG_SPECULATIVE_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"})
+SGLANG_DRAFT_MODEL_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "STANDALONE"})
+"""Algorithms that load a draft model (``--speculative-draft-model-path``); NEXTN can use the
+target's own MTP layers, NGRAM looks up drafts in the request's tokens."""
 
 # Newer SGLang renamed /get_server_info to /server_info; try the new name first.
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
@@ -122,6 +130,50 @@ def sglang_flush(session: requests.Session, base_url: str, timeout_s: float,
     )
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argument list (``--flag V`` or ``--flag=V``); the last one wins, as argparse."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def sglang_speculative_flags(spec: WorkerSpec) -> list[str]:
+    """SGLang's speculative-decoding flags for ``worker.speculative_num_draft_tokens``.
+
+    The algorithm is NGRAM (prompt lookup, no draft model) unless ``worker.extra_args`` names one
+    (``--speculative-algorithm EAGLE|EAGLE3|NEXTN|STANDALONE|NGRAM``, with the draft model's
+    ``--speculative-draft-model-path``, ``--speculative-num-steps``, ``--speculative-eagle-topk``):
+    then only ``--speculative-num-draft-tokens`` comes from here, so that the command holds each flag
+    once. Draft-model algorithms without a draft model path are refused before launch.
+    """
+    extra = list(spec.extra_args)
+    algorithm = _flag_value(extra, "--speculative-algorithm")
+    if spec.speculative_num_draft_tokens is None:
+        if algorithm is not None:
+            raise ConfigError(f"worker.extra_args turns speculative decoding on (--speculative-algorithm {algorithm}) "
+                              f"but worker.speculative_num_draft_tokens is unset; set it (it gives "
+                              f"--speculative-num-draft-tokens and tells the gate that the run speculates, which "
+                              f"its accept-length expectation needs)")
+        return []
+    if algorithm is not None and algorithm.upper() not in SGLANG_SPECULATIVE_ALGORITHMS:
+        raise ConfigError(f"worker.extra_args: --speculative-algorithm {algorithm!r} is not one servegate knows; "
+                          f"choose one of {sorted(SGLANG_SPECULATIVE_ALGORITHMS)}")
+    if (algorithm or "NGRAM").upper() in SGLANG_DRAFT_MODEL_ALGORITHMS \
+            and _flag_value(extra, "--speculative-draft-model-path") is None:
+        raise ConfigError(f"--speculative-algorithm {algorithm} needs a draft model: add "
+                          f"'--speculative-draft-model-path', 'PATH' to worker.extra_args (EAGLE3 heads are "
+                          f"published per target model, e.g. an EAGLE3 head trained for {spec.model})")
+    if _flag_value(extra, "--speculative-num-draft-tokens") is not None:
+        raise ConfigError("worker.extra_args sets --speculative-num-draft-tokens, and so does "
+                          "worker.speculative_num_draft_tokens; keep one (the config field)")
+    flags = [] if algorithm is not None else ["--speculative-algorithm", "NGRAM"]
+    return flags + ["--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
+
+
 def sglang_common_flags(spec: WorkerSpec, *, api_key_flag: bool) -> list[str]:
     """The flags SGLang and the embedded worker spell alike, then the user's extra args (last).
 
@@ -131,9 +183,7 @@ def sglang_common_flags(spec: WorkerSpec, *, api_key_flag: bool) -> list[str]:
     flags: list[str] = []
     if spec.enable_metrics:
         flags += ["--enable-metrics"]
-    if spec.speculative_num_draft_tokens is not None:
-        flags += ["--speculative-algorithm", "NGRAM",
-                  "--speculative-num-draft-tokens", str(spec.speculative_num_draft_tokens)]
+    flags += sglang_speculative_flags(spec)
     key = spec.api_key_value() if api_key_flag else None
     if key:
         flags += ["--api-key", key]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import requests
 
@@ -20,11 +20,11 @@ from servegate.budgets import VLLMBudget
 from servegate.config import WorkerSpec
 from servegate.engine_install import resolve_engine_python
 from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
-from servegate.errors import FlushError
+from servegate.errors import ConfigError, FlushError
 from servegate.http import body_excerpt, join_url, request_within
 from servegate.models import MODEL_ALIASES, ensure_model
 
-__all__ = ["VLLMEngine", "VLLM_METRIC_NAMES"]
+__all__ = ["VLLMEngine", "VLLM_METRIC_NAMES", "VLLM_SPEC_DECODE_COUNTERS", "vllm_speculative_config"]
 
 VLLM_METRIC_NAMES: dict[str, str] = {
     # vLLM's KV usage is a 0..1 fraction like sglang:token_usage.
@@ -34,7 +34,75 @@ VLLM_METRIC_NAMES: dict[str, str] = {
     "num_queue_reqs": "vllm:num_requests_waiting",
 }
 
+VLLM_SPEC_DECODE_COUNTERS: dict[str, str] = {
+    # vllm/v1/spec_decode/metrics.py (SpecDecodingProm): counters, so their samples carry `_total`.
+    # Mean accept length over an interval = 1 + d(accepted) / d(drafts) (its docstring's PromQL);
+    # acceptance rate = d(accepted) / d(draft_tokens).
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+}
+
+# vllm/config/speculative.py: SpeculativeConfig.method values servegate launches with, and the
+# ones that load a draft model (`model`). ngram looks drafts up in the prompt
+# (prompt_lookup_min/max).
+VLLM_SPECULATIVE_METHODS = frozenset({"ngram", "eagle", "eagle3", "draft_model", "mtp"})
+VLLM_DRAFT_MODEL_METHODS = frozenset({"eagle", "eagle3", "draft_model"})
+
 FLUSH_RETRY_INTERVAL_S = 0.5
+
+
+def vllm_speculative_config(spec: WorkerSpec) -> tuple[dict[str, Any] | None, list[str]]:
+    """vLLM's ``--speculative-config`` document for ``worker.speculative_num_draft_tokens``, and the
+    extra args without the one it absorbed.
+
+    ``num_speculative_tokens`` comes from the config field; the rest (``method`` ngram / eagle /
+    eagle3 / draft_model / mtp, ``model`` for a draft model, ``prompt_lookup_max`` / ``_min`` for
+    ngram) from a ``--speculative-config JSON`` in ``worker.extra_args`` when there is one, else
+    ``{"method": "ngram"}``. One ``--speculative-config`` goes on the command line.
+    """
+    extra = list(spec.extra_args)
+    given: dict[str, Any] | None = None
+    kept: list[str] = []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg == "--speculative-config" and i + 1 < len(extra):
+            raw, i = extra[i + 1], i + 2
+        elif arg.startswith("--speculative-config="):
+            raw, i = arg.split("=", 1)[1], i + 1
+        else:
+            kept.append(arg)
+            i += 1
+            continue
+        try:
+            given = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"worker.extra_args: --speculative-config {raw!r} is not JSON ({exc}); give a JSON "
+                              f"object such as '{{\"method\": \"eagle3\", \"model\": \"DRAFT\"}}'") from exc
+        if not isinstance(given, dict):
+            raise ConfigError(f"worker.extra_args: --speculative-config must be a JSON object, got {raw!r}")
+    num = spec.speculative_num_draft_tokens
+    if num is None:
+        if given is not None:
+            raise ConfigError("worker.extra_args turns speculative decoding on (--speculative-config) but "
+                              "worker.speculative_num_draft_tokens is unset; set it (it becomes num_speculative_tokens "
+                              "and tells the gate that the run speculates, which its accept-length expectation needs)")
+        return None, kept
+    doc = dict(given or {})
+    if doc.get("num_speculative_tokens", num) != num:
+        raise ConfigError(f"worker.extra_args' --speculative-config has num_speculative_tokens "
+                          f"{doc['num_speculative_tokens']}, worker.speculative_num_draft_tokens {num}; keep one "
+                          f"(the config field)")
+    method = doc.setdefault("method", "ngram")
+    if method not in VLLM_SPECULATIVE_METHODS:
+        raise ConfigError(f"--speculative-config method {method!r} is not one servegate knows; choose one of "
+                          f"{sorted(VLLM_SPECULATIVE_METHODS)}")
+    if method in VLLM_DRAFT_MODEL_METHODS and not doc.get("model"):
+        raise ConfigError(f"--speculative-config method {method!r} needs a draft model: add \"model\": "
+                          f"\"<draft model path or hub id>\" to it in worker.extra_args")
+    doc["num_speculative_tokens"] = num
+    return {"method": method, **{k: v for k, v in doc.items() if k != "method"}}, kept
 
 
 def _model_path(model: str) -> str:
@@ -60,6 +128,8 @@ class VLLMEngine(Engine):
     protocol: ClassVar[Protocol] = "openai"
     readiness_path: ClassVar[str] = "/health"
     metric_names: ClassVar[dict[str, str]] = VLLM_METRIC_NAMES
+    # vLLM has no accept-length gauge: the occupancy stage derives it from these counters.
+    spec_decode_counters: ClassVar[dict[str, str]] = VLLM_SPEC_DECODE_COUNTERS
     metrics_hint: ClassVar[str] = (
         "vLLM serves /metrics by default; check that the URL is the API server's and that it is a "
         "recent vLLM (vllm:kv_cache_usage_perc, vllm:num_requests_running); vLLM has no fwd_occupancy gauge"
@@ -95,10 +165,10 @@ class VLLMEngine(Engine):
             cmd += ["--max-model-len", str(budget.max_model_len)]
         if budget.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(budget.max_num_seqs)]
-        if spec.speculative_num_draft_tokens is not None:
-            cmd += ["--speculative-config", json.dumps(
-                {"method": "ngram", "num_speculative_tokens": spec.speculative_num_draft_tokens})]
-        return cmd + list(spec.extra_args)
+        speculative, extra = vllm_speculative_config(spec)
+        if speculative is not None:
+            cmd += ["--speculative-config", json.dumps(speculative)]
+        return cmd + extra
 
     def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
         # /reset_prefix_cache exists only in dev mode; without it the flush stage cannot run.

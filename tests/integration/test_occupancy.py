@@ -131,6 +131,25 @@ def test_engine_without_occupancy_gauge_reports_the_rest(sim: SimServer) -> None
     assert load["max_tokens"] == 100 and load["model"] == "sim-model"
 
 
+def test_vllm_accept_length_from_its_spec_decode_counters(sim: SimServer) -> None:
+    """vLLM has no accept-length gauge: each scrape interval's accept length is 1 + d(accepted) / d(drafts),
+    summed over engines; an interval without drafts is NaN, never 1."""
+    def page(n: int) -> dict:
+        step = (n + 1) // 2  # the counters move on odd scrapes only (idle between)
+        return {"vllm:num_requests_running": ranks(1.0),
+                "vllm:spec_decode_num_drafts_total": ranks(10.0 * step, 10.0 * step),
+                "vllm:spec_decode_num_draft_tokens_total": ranks(30.0 * step, 30.0 * step),
+                "vllm:spec_decode_num_accepted_tokens_total": ranks(25.0 * step, 15.0 * step)}
+
+    sim.state.metrics = page
+    res = run_occupancy(sim.base_url, VLLMEngine(), _cfg())
+    accept = res.samples["spec_accept_length"]
+    assert len(accept) >= 4
+    assert set(accept.dropna()) == {3.0}  # 1 + (25 + 15) / (10 + 10)
+    assert accept.isna().any()  # the idle intervals
+    assert res.summary.iloc[0]["spec_accept_length_median"] == 3.0
+
+
 def test_failed_load_request_is_a_stage_error(sim: SimServer) -> None:
     sim.state.generate_status = 500
     with pytest.raises(StageError, match="answered HTTP 500"):

@@ -243,3 +243,86 @@ def test_server_info_without_capacity_is_inf() -> None:
     assert math.isinf(cap.token_capacity) and math.isinf(cap.max_running_requests)
     cap = parse_server_info({"max_running_requests": None, "internal_states": "garbage"})
     assert math.isinf(cap.token_capacity) and math.isinf(cap.max_running_requests)
+
+
+# ---- speculative decoding: the flags each engine's speculative mode takes (docs/speculation.md) ----
+EAGLE3_DRAFT = "jamesliu1/sglang-EAGLE3-Llama-3.1-Instruct-8B"
+
+
+def test_sglang_eagle3_from_extra_args_keeps_each_flag_once() -> None:
+    extra = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", EAGLE3_DRAFT,
+             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
+    spec = WorkerSpec(engine="sglang", model=MODEL, memory_profile="h100", speculative_num_draft_tokens=4,
+                      extra_args=extra)
+    assert SGLangEngine().launch_command(spec, 30000) == [
+        *SGLANG_BASE, *SGLANG_BUDGET_ARGS["h100"], "--enable-metrics", "--speculative-num-draft-tokens", "4",
+        *extra]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_sglang_draft_model_algorithm_without_draft_model_is_refused(algorithm: str) -> None:
+    spec = WorkerSpec(engine="sglang", model=MODEL, memory_profile="h100", speculative_num_draft_tokens=4,
+                      extra_args=["--speculative-algorithm", algorithm, "--speculative-num-steps", "3"])
+    with pytest.raises(ConfigError, match="--speculative-draft-model-path"):
+        SGLangEngine().launch_command(spec, 30000)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--speculative-algorithm", "MEDUSA2"], "choose one of"),
+    (["--speculative-num-draft-tokens", "8"], "keep one"),
+])
+def test_sglang_speculative_extra_args_that_contradict_the_config(extra: list[str], match: str) -> None:
+    spec = WorkerSpec(engine="sglang", model=MODEL, memory_profile="h100", speculative_num_draft_tokens=4,
+                      extra_args=extra)
+    with pytest.raises(ConfigError, match=match):
+        SGLangEngine().launch_command(spec, 30000)
+
+
+@pytest.mark.parametrize("engine, extra", [
+    (SGLangEngine(), ["--speculative-algorithm=NGRAM"]),
+    (EmbeddedEngine(), ["--speculative-algorithm", "NGRAM"]),
+    (VLLMEngine(), ["--speculative-config", '{"method": "ngram"}']),
+])
+def test_speculation_in_extra_args_needs_the_config_field(engine, extra: list[str]) -> None:
+    """Otherwise the run speculates while the gate believes it does not (its accept length unjudged)."""
+    spec = WorkerSpec(engine=engine.name, model=MODEL if engine.name != "embedded" else "tiny-random",
+                      memory_profile="h100" if engine.name != "embedded" else "cpu-small", extra_args=extra)
+    with pytest.raises(ConfigError, match="speculative_num_draft_tokens is unset"):
+        engine.launch_command(spec, 30000)
+
+
+def test_vllm_ngram_prompt_lookup_and_eagle3_configs() -> None:
+    lookup = WorkerSpec(engine="vllm", model=MODEL, memory_profile="h100", speculative_num_draft_tokens=4,
+                        extra_args=["--speculative-config", '{"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+                                    "--enforce-eager"])
+    cmd = VLLMEngine().launch_command(lookup, 8000)
+    assert cmd[cmd.index("--speculative-config") + 1] == \
+        '{"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2, "num_speculative_tokens": 4}'
+    assert cmd.count("--speculative-config") == 1 and cmd[-1] == "--enforce-eager"
+    eagle = WorkerSpec(engine="vllm", model=MODEL, memory_profile="h100", speculative_num_draft_tokens=3,
+                       extra_args=[f'--speculative-config={{"method": "eagle3", "model": "{EAGLE3_DRAFT}"}}'])
+    assert VLLMEngine().launch_command(eagle, 8000) == [
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8000", *VLLM_BUDGET_ARGS["h100"],
+        "--speculative-config", f'{{"method": "eagle3", "model": "{EAGLE3_DRAFT}", "num_speculative_tokens": 3}}']
+
+
+@pytest.mark.parametrize("config, match", [
+    ('{"method": "eagle"}', "needs a draft model"),
+    ('{"method": "medusa-ish"}', "choose one of"),
+    ('{"num_speculative_tokens": 7}', "keep one"),
+    ("{method: ngram}", "is not JSON"),
+    ("[1, 2]", "JSON object"),
+])
+def test_vllm_bad_speculative_config_is_refused(config: str, match: str) -> None:
+    spec = WorkerSpec(engine="vllm", model=MODEL, memory_profile="h100", speculative_num_draft_tokens=3,
+                      extra_args=["--speculative-config", config])
+    with pytest.raises(ConfigError, match=match):
+        VLLMEngine().launch_command(spec, 8000)
+
+
+def test_vllm_declares_its_spec_decode_counters() -> None:
+    assert VLLMEngine.spec_decode_counters == {
+        "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+        "drafts": "vllm:spec_decode_num_drafts_total",
+        "draft_tokens": "vllm:spec_decode_num_draft_tokens_total"}
+    assert "spec_accept_length" not in VLLMEngine.metric_names  # no gauge: derived from the counters

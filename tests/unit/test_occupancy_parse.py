@@ -7,9 +7,9 @@ import math
 import pytest
 
 from servegate.bench import protocol as proto
-from servegate.bench.occupancy import aggregate_scrape, parse_metrics_page
+from servegate.bench.occupancy import accept_length_between, aggregate_scrape, counter_totals, parse_metrics_page
 from servegate.engines.sglang import SGLANG_METRIC_NAMES
-from servegate.engines.vllm import VLLM_METRIC_NAMES
+from servegate.engines.vllm import VLLM_METRIC_NAMES, VLLM_SPEC_DECODE_COUNTERS
 from servegate.errors import MetricsError, StageError
 
 PAGE = """\
@@ -97,3 +97,38 @@ def test_request_bodies() -> None:
     assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 4 and body["ignore_eos"] is True
     assert body["stream_options"]["include_usage"] is True
     assert "stream_options" not in proto.openai_completions_body("m", "hi", 4, stream=False)
+
+
+def _vllm_spec_page(drafts: tuple[int, int], draft_tokens: tuple[int, int], accepted: tuple[int, int]) -> str:
+    """A /metrics page as vLLM writes it: prometheus_client counters (vllm/v1/spec_decode/metrics.py,
+    SpecDecodingProm) per engine, exposed with their `_total` and `_created` samples."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    for name, values in (("vllm:spec_decode_num_drafts", drafts), ("vllm:spec_decode_num_draft_tokens", draft_tokens),
+                         ("vllm:spec_decode_num_accepted_tokens", accepted)):
+        counter = Counter(name, "doc", labelnames=["model_name", "engine"], registry=registry)
+        for engine, value in enumerate(values):
+            counter.labels("m", str(engine)).inc(value)
+    return generate_latest(registry).decode()
+
+
+def test_vllm_accept_length_from_counter_increments() -> None:
+    before = counter_totals(parse_metrics_page(_vllm_spec_page((10, 0), (40, 0), (20, 0)), "u"),
+                            VLLM_SPEC_DECODE_COUNTERS)
+    assert before == {"drafts": 10.0, "draft_tokens": 40.0, "accepted": 20.0}  # summed over engines
+    after = counter_totals(parse_metrics_page(_vllm_spec_page((30, 20), (120, 80), (50, 60)), "u"),
+                           VLLM_SPEC_DECODE_COUNTERS)
+    # 1 + (110 - 20) / (50 - 10): vLLM's mean acceptance length, bonus token included
+    assert accept_length_between(before, after) == pytest.approx(1 + 90 / 40)
+
+
+def test_vllm_accept_length_without_drafts_is_nan_not_one() -> None:
+    page = counter_totals(parse_metrics_page(_vllm_spec_page((10, 0), (40, 0), (20, 0)), "u"),
+                          VLLM_SPEC_DECODE_COUNTERS)
+    assert math.isnan(accept_length_between(page, page))  # no draft verified in between
+    restarted = {"drafts": 1.0, "draft_tokens": 4.0, "accepted": 0.0}
+    assert math.isnan(accept_length_between(page, restarted))  # counters went back: a restart
+    absent = counter_totals(parse_metrics_page("vllm:num_requests_running 1\n", "u"), VLLM_SPEC_DECODE_COUNTERS)
+    assert all(math.isnan(v) for v in absent.values())  # speculation off: no counters at all
+    assert math.isnan(accept_length_between(absent, absent))
