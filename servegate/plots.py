@@ -20,7 +20,8 @@ from servegate.gated_metrics import GatedMetric, extract_samples
 from servegate.history import RunRecord
 from servegate.render import ratio_number_text
 
-__all__ = ["one_batch_plot", "cdf_plot", "occupancy_plot", "trend_plot", "paired_ratio_plot", "paired_interval_plot"]
+__all__ = ["one_batch_plot", "cdf_plot", "occupancy_plot", "speculated", "speculation_plot", "trend_plot",
+           "paired_ratio_plot", "paired_interval_plot"]
 
 
 def _figure(width: float = 6.4, height: float = 3.4) -> Any:
@@ -111,6 +112,81 @@ def occupancy_plot(df: pd.DataFrame | None) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return _plot("occupancy_over_time", title, fig)
+
+
+def speculated(tables: Mapping[str, pd.DataFrame]) -> bool:
+    """True when the run's worker speculated: ``occupancy_summary.speculative_decoding``, or (a table
+    without that column) an accept length above 0 in the scrapes (servers report 0 with speculation off)."""
+    summary = tables.get("occupancy_summary")
+    if summary is not None and not summary.empty and "speculative_decoding" in summary.columns:
+        return bool(summary["speculative_decoding"].fillna(False).astype(bool).any())
+    samples = tables.get("occupancy_samples")
+    if samples is None or samples.empty or "spec_accept_length" not in samples.columns:
+        return False
+    return bool((pd.to_numeric(samples["spec_accept_length"], errors="coerce") > 0).any())
+
+
+def _token_times(requests: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Each inter-token latency of the serving load at the time its token arrived (s since the first send)."""
+    times: list[float] = []
+    itls: list[float] = []
+    ok = requests[requests["success"].fillna(False).astype(bool)] if "success" in requests.columns else requests
+    start = pd.to_numeric(ok["actual_send_s"], errors="coerce").min() if len(ok) else math.nan
+    for send, ttft, row_itls in zip(ok["actual_send_s"], ok["ttft_ms"], ok["itls_ms"]):
+        values = np.asarray(row_itls if row_itls is not None else [], dtype=float)
+        if values.size == 0 or not np.isfinite(send) or not np.isfinite(ttft):
+            continue
+        arrive = send - start + (ttft + np.cumsum(values)) / 1000.0
+        times.extend(arrive.tolist())
+        itls.extend(values.tolist())
+    return np.asarray(times), np.asarray(itls)
+
+
+def speculation_plot(tables: Mapping[str, pd.DataFrame]) -> str:
+    """Speculative decoding next to latency: the accept length over the occupancy request (the
+    worker's gauge, one point per scrape) beside the serving load's inter-token latencies over time.
+    A speculating worker emits its accepted drafts together: ITLs near 0 between the tokens of one
+    verification pass, one pass's time before the next; an accept length falling towards 1 shows
+    as the near-zero ITLs disappearing."""
+    name, title = "speculation_over_time", "Speculative decoding: accept length over time, and ITL"
+    samples = tables.get("occupancy_samples")
+    accept = pd.Series(dtype=float)
+    if samples is not None and not samples.empty and "spec_accept_length" in samples.columns:
+        accept = pd.to_numeric(samples["spec_accept_length"], errors="coerce")
+    requests = tables.get("serving_requests")
+    times, itls = (np.array([]), np.array([]))
+    if requests is not None and not requests.empty and {"actual_send_s", "ttft_ms", "itls_ms"} <= set(requests.columns):
+        times, itls = _token_times(requests)
+    if accept.dropna().empty and itls.size == 0:
+        return _plot(name, title, None, "no accept length was scraped and no serving request has inter-token latencies")
+    fig = _figure(width=9.6, height=3.4)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.2, top=0.92, wspace=0.28)
+    left, right = fig.subplots(1, 2)
+    if accept.dropna().empty:
+        left.text(0.5, 0.5, "no accept length scraped", ha="center", va="center", transform=left.transAxes)
+    else:
+        left.plot(samples["t_s"], accept, marker=".", color="#8250df", label="spec_accept_length")
+        median = float(accept.dropna().median())
+        left.axhline(median, linestyle="--", color="#8c959f", label=f"median {median:.2f}")
+        left.axhline(1.0, linestyle=":", color="#cf222e", label="1 (no draft accepted)")
+        left.set_ylim(bottom=0)
+        left.legend(fontsize="small")
+    left.set_title("occupancy stage: accept length", fontsize="medium")
+    left.set_xlabel("time since the request started (s)")
+    left.set_ylabel("tokens per verification pass")
+    left.grid(alpha=0.3)
+    if itls.size == 0:
+        right.text(0.5, 0.5, "no inter-token latencies", ha="center", va="center", transform=right.transAxes)
+    else:
+        right.plot(times, itls, linestyle="none", marker=".", markersize=3, color="#0969da", label="ITL")
+        right.axhline(float(np.median(itls)), linestyle="--", color="#8c959f",
+                      label=f"median {np.median(itls):.1f} ms")
+        right.legend(fontsize="small")
+    right.set_title("serving stage: inter-token latency", fontsize="medium")
+    right.set_xlabel("time since the first request (s)")
+    right.set_ylabel("ITL (ms)")
+    right.grid(alpha=0.3)
+    return _plot(name, title, fig)
 
 
 def trend_plot(rows: Sequence[Mapping[str, Any]], metric: GatedMetric,

@@ -32,6 +32,7 @@ from servegate.errors import ConfigError
 from servegate.gated_metrics import GATED_METRICS, GatedMetric
 from servegate.history import RunRecord, Store
 from servegate.plots import (cdf_plot, occupancy_plot, one_batch_plot, paired_interval_plot, paired_ratio_plot,
+                             speculated, speculation_plot,
                              trend_plot)
 from servegate.render import (UNDECIDED_HEADING, calibration_text, gated_paired_rows, interval_text, markdown_cell, markdown_code,
                               markdown_text, paired_text, percent_text, ratio_number_text)
@@ -228,6 +229,8 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
                                                            list_column=column == "itls_ms")
         parts.append(cdf_plot(name, title, metric, tables, baseline_tables))
     parts.append(occupancy_plot(tables.get("occupancy_samples")))
+    if speculated(tables):  # speculation's effect next to latency, only for a run that speculated
+        parts.append(speculation_plot(tables))
 
     parts.append("<h2>Nightly trends</h2>")
     trend_rows = [] if comparison is None else [

@@ -265,3 +265,33 @@ def test_report_html_escapes_server_text(tmp_path: Path) -> None:
     assert parser.scripts == 0 and parser.external == []
     assert "<img" not in html_text and "<b>x</b>" not in html_text
     assert html_text.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 3  # breach observed, source, infra error
+
+
+def test_report_shows_speculation_next_to_itl_only_when_the_run_speculated(history, tmp_path: Path) -> None:
+    import numpy as np
+    import pandas as pd
+
+    tables = synthetic_tables(7)
+    samples = tables["occupancy_samples"]
+    # The worker's windowed gauge: 1 (a stale window from the previous stage), then 3 to 5
+    samples["spec_accept_length"] = np.r_[1.0, np.tile([3.0, 4.0, 5.0, 4.0], 10)[:len(samples) - 1]]
+    tables["occupancy_summary"] = pd.DataFrame([{"n_samples": len(samples), "spec_accept_length_median": 4.0,
+                                                 "speculative_decoding": True}])
+    with Store(str(tmp_path / "spec.db")) as store:
+        store.record_run(**run_inputs("spec-night", started_at=T0, tables=tables))
+        text = write_report(store, "spec-night", tmp_path / "spec.html").read_text()
+    parser = _Plots()
+    parser.feed(text)
+    plot = parser.plots["speculation_over_time"]
+    assert plot["svg"] and plot["paths"] > 0 and not plot["empty"]
+    figure = text[text.index('data-plot="speculation_over_time"'):]
+    figure = figure[:figure.index("</figure>")]
+    assert "median 4.00" in figure  # the accept-length panel, from the scraped samples
+    assert "serving stage: inter-token latency" in figure and "ITL (ms)" in figure
+    assert all(parser.plots[name]["svg"] for name in PLOT_NAMES if name != "one_batch_latency")
+
+    # The history fixture's run did not speculate (no accept length): no speculation plot at all.
+    store, run_id, _ = history
+    parser = _Plots()
+    parser.feed(write_report(store, run_id, tmp_path / "plain.html").read_text())
+    assert "speculation_over_time" not in parser.plots
