@@ -237,6 +237,7 @@ def _capacity(run: RunContext, result: StageResult) -> None:
     out = run_capacity(run.base_url, run.engine, run.config, api_key=run.api_key, tokenizer=_prompt_tokenizer(run),
                        partial=result.tables)
     result.tables.update(capacity_steps=out.steps, capacity=out.capacity)
+    result.remarks.extend(out.remarks)
     invalid = out.steps[~out.steps["client_valid"].astype(bool)]
     result.remarks.extend(f"capacity step {int(r.step)} at {r.request_rate:.4g} req/s discarded: client not valid, "
                           f"load run again" for r in invalid.itertuples())

@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 
-from servegate.errors import ConfigError, StageError
+from servegate.errors import ConfigError, ServegateError, StageError
 from servegate.tables import CAPACITY_COLUMNS, CAPACITY_STEP_COLUMNS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,6 +56,8 @@ class CapacityResult:
     """``capacity_steps``: one row per load (a discarded invalid load included)."""
     capacity: pd.DataFrame
     """``capacity``: one row."""
+    remarks: list[str] = field(default_factory=list)
+    """What a reader should know about how the sweep measured (a load that fits in one batch)."""
 
 
 def check_capacity_config(config: "GateConfig") -> None:
@@ -151,6 +153,25 @@ def _tables(rows: list[dict[str, Any]], cfg: "CapacityConfig", serving: "Serving
     return CapacityResult(steps, capacity)
 
 
+def _batch_remark(base_url: str, engine: "Engine", api_key: str | None, num_prompts: int) -> list[str]:
+    """A load no larger than the worker's running batch never queues at the worker: however high
+    the rate, it is one burst, and the sweep then measures how a burst is served, not a sustained
+    rate. Said in the stage's remarks (the server's own figure; nothing when it reports none)."""
+    import requests
+
+    from servegate.http import make_session
+
+    try:
+        with make_session(api_key) as http:
+            running = engine.server_capacity(http, base_url).max_running_requests
+    except (ServegateError, requests.RequestException):
+        return []
+    if math.isfinite(running) and num_prompts <= running:
+        return [f"capacity.num_prompts ({num_prompts}) <= the worker's max running requests ({running:g}): each "
+                f"load fits in one batch, so the sweep measures bursts, not a sustained rate; raise num_prompts"]
+    return []
+
+
 def run_capacity(base_url: str, engine: "Engine", config: "GateConfig", api_key: str | None = None, *,
                  tokenizer: Any | None = None, partial: dict[str, pd.DataFrame] | None = None) -> CapacityResult:
     """Sweep the request rate (module docstring) and return both tables.
@@ -165,6 +186,7 @@ def run_capacity(base_url: str, engine: "Engine", config: "GateConfig", api_key:
 
     check_capacity_config(config)
     cfg, serving, flush_cfg = config.capacity, config.serving, config.flush
+    remarks = _batch_remark(base_url, engine, api_key, cfg.num_prompts)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     decided: list[Step] = []
@@ -190,5 +212,6 @@ def run_capacity(base_url: str, engine: "Engine", config: "GateConfig", api_key:
                                  f"capacity.max_rate or run the gate on a quieter machine")
         decided.append(Step(phase, rate, bool(rows[-1]["meets_target"])))
     result = _tables(rows, cfg, serving, decided, started)
+    result.remarks.extend(remarks)
     partial.update(capacity_steps=result.steps, capacity=result.capacity)
     return result

@@ -83,6 +83,7 @@ def test_the_sweep_finds_a_capacity_and_its_steps_are_consistent(sweeps, name: s
     assert result["last_good_rate"] == good.max()
     assert result["first_bad_rate"] == decided.loc[~decided["meets_target"], "request_rate"].min()
     assert result["slo_ttft_ms"] == 500 and math.isnan(result["slo_tpot_ms"]) and result["goodput_target"] == TARGET
+    assert sweeps[name].remarks == []  # 16 prompts a load against 2 running requests: loads queue
 
 
 def test_a_decode_slowdown_lowers_the_capacity(sweeps) -> None:
@@ -93,7 +94,8 @@ def test_a_decode_slowdown_lowers_the_capacity(sweeps) -> None:
 
 
 GATE = ["worker.model=tiny-random",
-        'worker.extra_args=["--fault-decode-delay-ms", "10", "--max-running-requests", "2"]', "warmup.max_new_tokens=4", "capacity.start_rate=4", "capacity.max_rate=16", "report.html=false"]
+        'worker.extra_args=["--fault-decode-delay-ms", "10", "--max-running-requests", "4"]', "warmup.max_new_tokens=4",
+        "capacity.start_rate=4", "capacity.max_rate=16", "capacity.num_prompts=4", "report.html=false"]
 
 
 def test_capacity_gate_passes_records_its_tables_and_reruns(prefect_harness, tmp_path: Path, monkeypatch) -> None:
@@ -107,6 +109,8 @@ def test_capacity_gate_passes_records_its_tables_and_reruns(prefect_harness, tmp
     stages = json.loads((run_dir / "stages.json").read_text())
     assert stages["flush:capacity"]["status"] == "ok" and stages["capacity"]["status"] == "ok"
     assert sorted(stages["capacity"]["tables"]) == ["capacity", "capacity_steps"]
+    # 4 prompts a load and 4 running requests: every load is one burst, and the run says so.
+    assert any("fits in one batch" in r for r in stages["capacity"]["remarks"]), stages["capacity"]
     for stage in ("one_batch", "serving", "occupancy", "quality"):
         assert stages[stage]["status"] == "skipped", stages[stage]
     table = pd.read_parquet(run_dir / "capacity.parquet")
@@ -115,12 +119,14 @@ def test_capacity_gate_passes_records_its_tables_and_reruns(prefect_harness, tmp
     assert any(o["table"] == "capacity" and o["column"] == "capacity_rps" and o["success"] for o in outcomes)
 
     # Re-run the capacity stage alone: a new attempt with its own sweep.
-    again = rerun_stages(str(run_dir), ["capacity"], ["capacity.refine_steps=0"])
+    again = rerun_stages(str(run_dir), ["capacity"], ["capacity.refine_steps=0", "capacity.num_prompts=8"])
     assert again["verdict"]["status"] == "pass" and again["stages"] == ["capacity"]
     attempt = Path(again["run_dir"])
     assert attempt.parent == run_dir / "attempts"
     steps = pd.read_parquet(attempt / "capacity_steps.parquet")
-    assert (steps["phase"] == "grow").all()  # refine_steps=0 took effect: re-measured, not carried
+    # The overrides took effect: re-measured, not carried.
+    assert (steps["phase"] == "grow").all() and (steps["num_prompts"] == 8).all()
+    assert json.loads((attempt / "stages.json").read_text())["capacity"]["remarks"] == []
     # A serving override would change what the capacity tables answer: refused when capacity is carried.
     with pytest.raises(ConfigError, match="capacity"):
         rerun_stages(str(run_dir), ["serving"], ["serving.enabled=true", "serving.slo_ttft_ms=100"])
