@@ -3,7 +3,8 @@
 - :func:`write_report` — one self-contained HTML file per run (no scripts, no external files;
   plots are inline SVG drawn with matplotlib's object API, no pyplot global state): the verdict,
   the breaches, the comparison with the baseline, one-batch latency vs batch size, serving
-  TTFT/ITL CDFs against the baseline, occupancy over time, each gated metric's nightly trend
+  TTFT/ITL CDFs against the baseline, occupancy over time (and, for a run that speculated, its
+  accept length over time beside the serving ITLs), each gated metric's nightly trend
   with its baseline band (baseline value x [1 - bound, 1 + bound]), and, when the run has a
   ``paired`` table, the paired comparison: per metric ratio, interval and decision, per gated
   metric the per-round ratios and the interval narrowing round by round, and the provenance of
@@ -32,8 +33,7 @@ from servegate.errors import ConfigError
 from servegate.gated_metrics import GATED_METRICS, GatedMetric
 from servegate.history import RunRecord, Store
 from servegate.plots import (cdf_plot, occupancy_plot, one_batch_plot, paired_interval_plot, paired_ratio_plot,
-                             speculated, speculation_plot,
-                             trend_plot)
+                             speculated, speculation_plot, trend_plot)
 from servegate.render import (UNDECIDED_HEADING, calibration_text, gated_paired_rows, interval_text, markdown_cell, markdown_code,
                               markdown_text, paired_text, percent_text, ratio_number_text)
 
