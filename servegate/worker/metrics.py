@@ -132,8 +132,9 @@ class WorkerMetrics:
         if occupancy_fault != "absent":
             self.fwd_occupancy = gauge("sglang:fwd_occupancy", "Forward-pass occupancy percentage.")
             self.fwd_occupancy.set(math.nan)
-        if not speculative:
-            self.spec_accept_length.set(0.0)
+        # 0 with speculation off, as SGLang; with it, NaN until the first window closes (no passes yet is
+        # no measurement, and the occupancy scrape drops NaN).
+        self.spec_accept_length.set(math.nan if speculative else 0.0)
 
         tok_names = list(tok)
 

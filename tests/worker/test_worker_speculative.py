@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import requests
 from workerutil import generate, metric_value
@@ -17,6 +19,8 @@ SPEC_ARGS = ["--enable-metrics", "--speculative-algorithm", "NGRAM", "--speculat
 def test_speculative_mode_matches_greedy_and_reports_accept_length(start_worker) -> None:
     plain = start_worker(["--enable-metrics"])
     spec = start_worker(SPEC_ARGS)
+    assert metric_value(plain.url, "sglang:spec_accept_length") == 0.0  # speculation off, as SGLang
+    assert math.isnan(metric_value(spec.url, "sglang:spec_accept_length"))  # no verification pass yet
     expected = generate(plain.url, LOOP_BODY).json()
     doc = generate(spec.url, LOOP_BODY).json()
     assert doc["output_ids"] == expected["output_ids"]  # float32: NGRAM verification is exact
