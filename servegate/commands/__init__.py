@@ -8,6 +8,7 @@
     rerun      servegate rerun RUN --task STAGE [--set KEY=VALUE ...] [--json]
     engine     servegate engine install|path NAME
     calibrate  servegate calibrate [--profile NAME] [--aa-runs N] [--slowdowns 5,10,30] [--json]
+    dashboard  servegate dashboard --out DIR [--key PATTERN] [--since 30d] [--copy-reports]
 
 Each module has ``add_arguments(subparsers)``, which adds its command(s) to the main parser and
 sets ``func`` (``args -> ExitCode``, :class:`servegate.verdict.ExitCode`) on each. A module
@@ -22,11 +23,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from servegate.commands import calibrate, engine, history, model, profiles, rerun, run, worker
+from servegate.commands import calibrate, dashboard, engine, history, model, profiles, rerun, run, worker
 
 __all__ = ["COMMAND_MODULES", "add_commands"]
 
-COMMAND_MODULES: tuple[ModuleType, ...] = (run, worker, model, profiles, history, rerun, engine, calibrate)
+COMMAND_MODULES: tuple[ModuleType, ...] = (run, worker, model, profiles, history, rerun, engine, calibrate,
+                                              dashboard)
 """In the order ``servegate --help`` lists them."""
 
 

@@ -82,7 +82,10 @@ def _store(args: argparse.Namespace) -> Any:
 # ---- status -------------------------------------------------------------------------------
 def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> list[dict[str, Any]]:
     """One dict per gate key: latest verdict, when, baseline, failing metrics, gated paired
-    metrics (ratio candidate / baseline, interval, decision, rounds), breaches, attempts."""
+    metrics (ratio candidate / baseline, interval, decision, rounds), breaches, attempts, and the
+    latest change point of a gated metric after the key's baseline (``change_point``, or None;
+    :func:`servegate.dashboard.series.latest_change_point`)."""
+    from servegate.dashboard.series import key_history, latest_change_point
     from servegate.render import gated_paired_rows
 
     latest = store.latest(since=since)
@@ -120,7 +123,8 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
                      "baseline": baseline, "failing": failing, "paired": paired, "breaches": breaches,
                      "infra_errors": rec.verdict.get("infra_errors") or [],
                      "undecided": rec.verdict.get("undecided") or [], "report": report,
-                     "calibration": rec.verdict.get("calibration")})
+                     "calibration": rec.verdict.get("calibration"),
+                     "change_point": latest_change_point(key_history(store, key))})
     return rows
 
 
@@ -146,6 +150,17 @@ def _ratio_text(f: dict[str, Any]) -> str:
     case = f"[{f['case']}]" if f.get("case") else ""
     det = f", smallest detectable {f['min_detectable']:.1%}" if f.get("min_detectable") is not None else ""
     return f"{f['metric']}{case} {ratio_text(f['ratio'], f['ci_low'], f['ci_high'])}{det}"
+
+
+def _change_point_text(cp: dict[str, Any]) -> str:
+    from servegate.render import terminal_text
+
+    case = f"[{cp['case']}]" if cp.get("case") else ""
+    what = "step" if cp["kind"] == "step" else "trend began"
+    where = "the baseline already includes it" if cp.get("in_baseline") else "after the baseline runs"
+    return terminal_text(f"change point: {cp['metric']}{case} {what} at {cp['run_id']} ({cp['started_at'][:10]}), "
+                         f"{cp['before']:.4g} -> {cp['after']:.4g} {cp['unit']} ({cp['change']:+.1%}, "
+                         f"{'worse' if cp['worse'] else 'better'}; {cp['runs_since']} run(s) since; {where})")
 
 
 def format_status(rows: Sequence[dict[str, Any]]) -> str:
@@ -176,6 +191,8 @@ def format_status(rows: Sequence[dict[str, Any]]) -> str:
             lines.append(f"{'':<{width}}    - {p}")
         if r.get("calibration"):
             lines.append(f"{'':<{width}}    trust: {_trust_text(r['calibration'])}")
+        if r.get("change_point"):
+            lines.append(f"{'':<{width}}    {_change_point_text(r['change_point'])}")
         if r["report"]:
             lines.append(f"{'':<{width}}    report: {r['report']}")
     return "\n".join(lines)
