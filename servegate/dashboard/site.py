@@ -81,6 +81,11 @@ def _number(value: float) -> str:
     return f"{value:.4g}"
 
 
+def _mpl(text: Any) -> str:
+    """Text for a matplotlib label: a ``$`` from the database would start mathtext (or fail to parse)."""
+    return str(text).replace("$", r"\$")
+
+
 def _change_text(series: MetricSeries, cp: Any) -> str:
     what = "step" if cp.kind == "step" else "trend began"
     return f"{what} {cp.change:+.1%}" + (" (worse)" if series.worse(cp) else " (better)")
@@ -157,7 +162,8 @@ def _trend(series: MetricSeries, history: KeyHistory, reports: _Reports, page_di
     base = [(d, v) for d, v, i in zip(dates, values, series.run_ids) if i in history.baseline_run_ids]
     if base:
         ax.scatter([b[0] for b in base], [b[1] for b in base], s=70, facecolors="none", edgecolors="#2da44e",
-                   linewidths=1.2, zorder=5, label=f"baseline runs ({history.baseline_policy})", gid="baseline-runs")
+                   linewidths=1.2, zorder=5, label=_mpl(f"baseline runs ({history.baseline_policy})"),
+                   gid="baseline-runs")
         level = float(np.median([b[1] for b in base]))
         ax.axhspan(level * (1 - DEFAULT_BOUND), level * (1 + DEFAULT_BOUND), color="#2da44e", alpha=0.12,
                    label=f"baseline ±{DEFAULT_BOUND:.0%}", gid="baseline-band")

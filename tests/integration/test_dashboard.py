@@ -24,6 +24,7 @@ import pandas as pd
 import pytest
 
 from servegate.baseline import mark_distribution_change, pin
+from servegate.compare import compare_tables
 from servegate.history import GateKey, Store
 
 CHROMIUM = os.environ.get("SERVEGATE_CHROMIUM", "/usr/bin/chromium")
@@ -32,6 +33,7 @@ T0 = datetime(2026, 10, 1, 2, 0, tzinfo=timezone.utc)
 CREEP_KEY = GateKey("nightly", "embedded", "cpu", "smollm2-135m")
 STEP_KEY = GateKey("nightly", "vllm", "h100", "meta-llama/Llama-3.1-8B-Instruct")
 CREEP_AT, STEP_AT = 20, 15
+COMPARED_RUNS = 6
 
 
 def _playwright_missing() -> str | None:
@@ -73,6 +75,7 @@ def record_history(store: Store, runs_root: Path) -> None:
     """32 nightly runs per key, recorded as the gate's record task does (Store.record_run)."""
     for key, seed in ((CREEP_KEY, 1), (STEP_KEY, 2)):
         rng = np.random.default_rng(seed)
+        passing: list[tuple[str, dict[str, pd.DataFrame]]] = []
         for i in range(N_RUNS):
             night = 1 + rng.normal(0, 0.02)  # run-to-run noise of 2 %
             itl, ttft = 40.0 * night, 120.0 * (1 + rng.normal(0, 0.02))
@@ -93,9 +96,15 @@ def record_history(store: Store, runs_root: Path) -> None:
             config = {"name": key.workload, "hardware": key.hardware,
                       "worker": {"engine": key.engine, "model": key.model}}
             verdict = {"status": status, "breaches": [], "infra_errors": []}
-            store.record_run(manifest, config, tables_for(rng, ttft, itl), [], verdict, run_dir=run_dir)
+            tables = tables_for(rng, ttft, itl)
+            if key == STEP_KEY and i >= N_RUNS - COMPARED_RUNS:
+                # the latest nightlies compared with their baseline (the real compare stage): recorded bands
+                tables["comparison"] = compare_tables(tables, passing[-5:], baseline_policy="last 5 passing")
+            store.record_run(manifest, config, tables, [], verdict, run_dir=run_dir)
+            if status == "pass":
+                passing.append((rid, tables))
     # A pinned baseline (run 3) for the creeping key, a distribution change (before run 8) for the other.
-    pin(store, run_id(CREEP_KEY, 3), reason="known-good <b>release</b> build", actor="rm")
+    pin(store, run_id(CREEP_KEY, 3), reason="known-good <b>release</b> build", actor="$ops$")
     mark_distribution_change(store, STEP_KEY, reason="driver update & new <kernel>", actor="rm",
                              at=T0 + timedelta(days=7, hours=12))
 
@@ -142,6 +151,7 @@ def test_status_names_the_latest_change_point_after_the_baseline(site: dict) -> 
     step = rows[str(STEP_KEY)]["change_point"]
     assert step is not None and step["metric"] in ("serving.ttft_ms.median", "serving.e2e_latency_ms.median")
     assert abs(int(step["run_id"].rsplit("-", 1)[1]) - STEP_AT) <= 1 and step["kind"] == "step"
+    assert rows[str(STEP_KEY)]["baseline"]["policy"] == "last 5 passing"  # from the recorded comparison
     text = servegate("status", db=site["db"]).stdout
     assert f"change point: {creep['metric']}" in text and creep["run_id"] in text and step["run_id"] in text
     # A distribution change recorded between the runs around the step accepts it: no longer named.
@@ -156,6 +166,13 @@ def test_status_names_the_latest_change_point_after_the_baseline(site: dict) -> 
         import sqlalchemy as sa
         with Store(str(site["db"])) as store, store.engine.begin() as conn:
             conn.execute(sa.text("DELETE FROM baseline_actions WHERE reason = 'new engine version'"))
+
+
+def test_dashboard_refuses_bad_input_with_what_to_do(site: dict, tmp_path: Path) -> None:
+    out = servegate("dashboard", "--out", str(tmp_path / "s"), "--key", "no-such-gate", db=site["db"])
+    assert out.returncode == 2 and "no recorded run matches --key" in out.stderr and str(CREEP_KEY) in out.stderr
+    out = servegate("dashboard", "--out", str(tmp_path / "s"), "--since", "last tuesday", db=site["db"])
+    assert out.returncode == 2 and "--since" in out.stderr
 
 
 def _internal_links(page, base: Path) -> list[Path]:
@@ -216,11 +233,16 @@ def test_site_renders_in_chromium_with_change_points_at_the_injected_runs(site: 
             # no change point marked where nothing was injected
             assert not [m for m in marks[str(CREEP_KEY)] if m.startswith("serving.ttft_ms")], marks
             assert not [m for m in marks[str(STEP_KEY)] if m.startswith(("serving.itl_ms", "serving.tpot_ms"))], marks
+            # the step key's compared nightlies show the band they were compared with
+            page.goto(next(p for p in pages if "vllm" in p.name).as_uri())
+            band = page.locator("figure[data-plot='trend:serving.ttft_ms.median'] [id='recorded-band']")
+            assert band.count() == 1 and band.bounding_box()["width"] > 20
             # the pinned run is starred on the creeping key's trends
             page.goto(next(p for p in pages if "embedded" in p.name).as_uri())
             assert page.locator(f"[id='pin:{run_id(CREEP_KEY, 3)}']").count() >= 1
             # untrusted text from the database shows as text, not markup
             assert "known-good <b>release</b> build" in page.inner_text("table")
+            assert "$ops$" in page.inner_text("table") and "$ops$" in page.locator("figure.trend svg").first.text_content()
             page.goto(next(p for p in pages if "vllm" in p.name).as_uri())
             assert "driver update & new <kernel>" in page.inner_text("body")
 
