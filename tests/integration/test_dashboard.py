@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
+from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -175,6 +176,30 @@ def test_dashboard_refuses_bad_input_with_what_to_do(site: dict, tmp_path: Path)
     assert out.returncode == 2 and "--since" in out.stderr
 
 
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":  # an <a> of the page or of a plot (a run's point); <use href="#..."> is the SVG's own
+            self.hrefs += [v for k, v in attrs if k in ("href", "xlink:href") and v]
+
+
+def test_copy_reports_makes_a_site_that_travels(site: dict, tmp_path: Path) -> None:
+    out = servegate("dashboard", "--out", str(tmp_path / "built"), "--copy-reports", db=site["db"])
+    assert out.returncode == 0, out.stderr
+    moved = Path(shutil.move(tmp_path / "built", tmp_path / "elsewhere"))
+    assert len(list((moved / "reports").glob("*.html"))) == len(site["reported"])
+    for page in [moved / "index.html", *(moved / "keys").glob("*.html")]:
+        parser = _Links()
+        parser.feed(page.read_text(encoding="utf-8"))
+        assert any("reports/" in h for h in parser.hrefs), page
+        for href in parser.hrefs:
+            target = (page.parent / unquote(href)).resolve()
+            assert target.is_file() and moved in target.parents, f"{page.name}: {href}"
+
+
 def _internal_links(page, base: Path) -> list[Path]:
     hrefs = page.eval_on_selector_all("a[href]", "els => els.map(e => e.getAttribute('href'))")
     hrefs += page.eval_on_selector_all("svg a", "els => els.map(e => e.getAttribute('xlink:href') "
@@ -218,6 +243,8 @@ def test_site_renders_in_chromium_with_change_points_at_the_injected_runs(site: 
                     key = page.get_attribute("h1", "textContent") or page.inner_text("h1")
                     marks[key] = page.eval_on_selector_all(
                         "li.changepoint", "els => els.map(e => e.dataset.metric + '@' + e.dataset.run)")
+                    # each trend's points link to the reports that exist (4 metrics x 2 reported runs of the key)
+                    assert page.eval_on_selector_all("figure.trend svg a", "els => els.length") == 8
                     svg_marks = page.eval_on_selector_all("figure.trend [id^='changepoint:']", "els => els.length")
                     assert svg_marks == len(marks[key]), (key, svg_marks, marks[key])
                     assert page.locator("[id='distribution-change:0']").count() or key == str(CREEP_KEY)
