@@ -38,7 +38,9 @@ def add_arguments(subparsers: Any) -> None:
     status = subparsers.add_parser("status", help="latest verdict per gate key, with what failed and by how much",
                                    description="One line per gate key: the latest verdict, when, against which "
                                                "baseline, the failing metrics with their ratios, the gated paired "
-                                               "metrics (candidate / baseline), attempts.")
+                                               "metrics (candidate / baseline), attempts, and the latest "
+                                               "change point of a gated metric after the key's baseline "
+                                               "(docs/dashboard.md).")
     status.add_argument("--key", action="append", default=[], metavar="PATTERN",
                         help="only keys matching: a full key, a leading part (smoke, smoke/embedded) or a "
                              "wildcard (*/sglang/*); repeatable")
