@@ -164,7 +164,7 @@ def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path,
     if mode == "paired":
         _check_paired_aa(config)
         data["paired"]["enabled"] = True
-        for stage in ("one_batch", "serving", "occupancy"):  # the gate's own worker is not launched at all
+        for stage in ("one_batch", "serving", "occupancy", "capacity"):  # the gate's own worker is not launched
             data[stage]["enabled"] = False
     else:
         data["paired"]["enabled"] = False  # its table is not what a history comparison reads

@@ -180,12 +180,14 @@ def _one_batch(run: RunContext, result: StageResult) -> None:
 
 def _prompt_tokenizer(run: RunContext) -> Any:
     """The tokenizer the serving load needs (serving and capacity), loaded once per stage, or None."""
-    from servegate.bench.datasets import load_prompt_tokenizer
+    from servegate.bench.datasets import dataset_needs_tokenizer, load_prompt_tokenizer
     from servegate.bench.protocol import protocol_for
 
-    # A text-only protocol gets its prompts decoded by the model's tokenizer.
+    # A text-only protocol gets its prompts decoded by the model's tokenizer; the text datasets
+    # (sharegpt, jsonl) use it to send token ids with exact planned lengths.
     wire = protocol_for(run.engine, run.config.serving.protocol)
-    return load_prompt_tokenizer(run.config.worker.model) if wire.needs_text_prompts else None
+    needed = dataset_needs_tokenizer(run.config.serving.dataset, wire.needs_text_prompts)
+    return load_prompt_tokenizer(run.config.worker.model) if needed else None
 
 
 def _serving(run: RunContext, result: StageResult) -> None:
@@ -208,7 +210,8 @@ def _serving(run: RunContext, result: StageResult) -> None:
         run.folder.write_table(f"serving_requests_discarded_{attempt}", out.requests)
         discarded.append(f"attempt {attempt} discarded: {why}")
         flush_until_idle(run.base_url, run.engine, run.config.flush, api_key=run.api_key)
-    result.remarks.extend(discarded)
+    # How the kept load was measured (prefix-cache counters not read, an arrival test not run, ...).
+    result.remarks.extend([*discarded, *out.meta.get("notes", [])])
     result.tables.update(serving_requests=out.requests, serving_summary=out.summary)
     run.folder.write_jsonl("serving", out.summary.to_dict(orient="records"))
 

@@ -59,6 +59,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     stages = json.loads((run_dir / "stages.json").read_text())
     assert stages.pop("compare")["status"] == "skipped"  # smoke has no baseline comparison
     assert stages.pop("paired")["status"] == "skipped"  # nor a baseline worker to pair with
+    assert stages.pop("capacity")["status"] == "skipped"  # the capacity sweep is off in smoke
     assert all(s["status"] == "ok" for s in stages.values()), stages
     rows = [json.loads(line) for line in (run_dir / "one_batch.jsonl").read_text().splitlines()]
     # the smoke grid has one case past the worker's max running requests: a row with its reason
@@ -81,7 +82,8 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     # summary.not_applicable (issue 11, finding 8: checks the engine cannot provide); the paired
     # stage's record (issue 13: skipped without a baseline worker); verdict.undecided (issue 13);
     # each stage record's remarks (issue 11: a discarded serving attempt is named there); gate.log,
-    # where the libraries' log lines go instead of the terminal (issue 14).
+    # where the libraries' log lines go instead of the terminal (issue 14); the capacity stage's
+    # record (issue 16: skipped, off in smoke).
     golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
     assert sorted(p.name for p in run_dir.iterdir()) == sorted([*golden["files"], "gate.log"])
     expected = golden["verdict_json"]
@@ -90,7 +92,7 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     assert _schema(json.loads((run_dir / "verdict.json").read_text())) == expected
     assert sorted(verdict) == sorted([*golden["stdout_json_keys"], "undecided"])
     recorded = json.loads((run_dir / "stages.json").read_text())
-    assert sorted(recorded) == sorted([*golden["stages"], "paired"])
+    assert sorted(recorded) == sorted([*golden["stages"], "paired", "capacity"])
     assert all(sorted(r) == sorted([*golden["stage_record_keys"], "remarks"]) for r in recorded.values()), recorded
 
 

@@ -82,8 +82,8 @@ def test_rerun_serving_after_crash_passes_and_keeps_the_first_attempt(tmp_path: 
     second, v2 = _cli(tmp_path, "rerun", str(run_dir), "--task", "serving", "--set", "worker.extra_args=[]", "--json")
     assert second.returncode == 0, f"{v2}\n{second.stderr[-4000:]}"
     assert v2["status"] == "pass" and v2["stages"] == ["serving"], v2
-    # occupancy and quality: disabled in config, carried as skipped
-    assert v2["carried"] == ["occupancy", "one_batch", "paired", "quality"]
+    # capacity, occupancy and quality: disabled in config, carried as skipped
+    assert v2["carried"] == ["capacity", "occupancy", "one_batch", "paired", "quality"]
     attempt_dir = Path(v2["run_dir"])
     assert attempt_dir.parent == run_dir / "attempts"
 
