@@ -223,7 +223,7 @@ def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: 
         seen.update(k for k, name in engine.metric_names.items() if name in first)
         # An engine without an accept-length gauge (vLLM) has spec-decode counters: the accept length
         # of each scrape interval is derived from their increments (a windowed value, like SGLang's gauge).
-        counters: dict[str, str] = getattr(engine, "spec_decode_counters", None) or {}
+        counters = engine.spec_decode_counters
         last_counts = counter_totals(first, counters)
         model = wire.served_model(http, base_url, limit_s=min(cfg.request_timeout_s, 30.0),
                                   setting="occupancy.request_timeout_s")

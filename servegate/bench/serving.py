@@ -86,7 +86,7 @@ try:  # uvloop roughly halves the event loop's cost per streamed chunk; optional
 except ImportError:  # pragma: no cover - depends on the environment
     uvloop = None
 
-__all__ = ["PREFIX_CACHE_COUNTERS", "ServingResult", "arrival_schedule", "build_requests", "prefix_cache_counters",
+__all__ = ["ServingResult", "arrival_schedule", "build_requests", "prefix_cache_counters",
            "run_serving"]
 
 # The arrival gaps get their own random stream, so that they are not the same bits the
@@ -94,19 +94,6 @@ __all__ = ["PREFIX_CACHE_COUNTERS", "ServingResult", "arrival_schedule", "build_
 _ARRIVAL_STREAM: Final = 0xA7
 _REQUESTS_TABLE: Final = "serving_requests"
 
-# The worker's counters behind prefix_cache_hit_rate, as scraped (prometheus_client appends "_total"
-# to a counter's name): prompt tokens, prompt tokens served from the prefix cache, and the tokens the
-# cache was asked for (the rate's denominator). SGLang (and the embedded worker, which mirrors it):
-# sglang:prompt_tokens / sglang:cached_tokens. vLLM v1: vllm:prefix_cache_queries / _hits, in tokens.
-# TODO(engines): these belong in each Engine's metric_names; until they are there, by engine name.
-_SGLANG_CACHE_COUNTERS: Final = {"prompt": "sglang:prompt_tokens_total", "cached": "sglang:cached_tokens_total",
-                                 "queried": "sglang:prompt_tokens_total"}
-PREFIX_CACHE_COUNTERS: Final[dict[str, dict[str, str]]] = {
-    "sglang": _SGLANG_CACHE_COUNTERS,
-    "embedded": _SGLANG_CACHE_COUNTERS,
-    "vllm": {"prompt": "vllm:prompt_tokens_total", "cached": "vllm:prefix_cache_hits_total",
-             "queried": "vllm:prefix_cache_queries_total"},
-}
 
 
 @dataclass
@@ -175,8 +162,8 @@ def build_requests(cfg: ServingConfig, tokenizer: Any | None = None, *, text_pro
 def _scrape_counters(http: requests.Session, base_url: str, engine: Engine, notes: list[str],
                      when: str) -> dict[str, float] | None:
     """The engine's prefix-cache counters (summed over label sets), or None with a note saying why not."""
-    names = PREFIX_CACHE_COUNTERS.get(engine.name) if engine.has_metrics else None
-    if names is None:
+    names = engine.prefix_cache_counters if engine.has_metrics else None
+    if not names:
         return None
     try:
         page = scrape_metrics(http, base_url, engine)
@@ -455,7 +442,7 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
     protocol needs it for the token-id datasets (random, generated-shared-prefix, trace). A trace is
     sent on its own schedule and recorded with ``arrival="trace"`` and its mean offered rate as
     ``request_rate``. The prefix-cache counters are scraped around the load where the engine has
-    them (``PREFIX_CACHE_COUNTERS``); a scrape that fails leaves them NaN with a note in
+    them (``Engine.prefix_cache_counters``); a scrape that fails leaves them NaN with a note in
     ``meta["notes"]``, never fails the load. ``partial`` (when given) receives ``{"serving_requests": rows}``
     as soon as the load has run, so that the caller keeps them when the run then fails: when
     every request failed on a connection error the server is gone (``ServerUnreachableError``);

@@ -56,6 +56,15 @@ class Engine(abc.ABC):
     token_usage, num_running_reqs, num_queue_reqs, kv_cache_usage (absent keys: not exposed)."""
     metrics_hint: ClassVar[str]
     """What to set on the server so that /metrics and its gauges exist (for error messages)."""
+    spec_decode_counters: ClassVar[dict[str, str]] = {}
+    """Speculative-decoding counters (``accepted``, ``drafts``, ``draft_tokens`` -> Prometheus name, as
+    scraped, with ``_total``) from which the occupancy stage computes the accept length per scrape
+    interval; empty when the engine has an accept-length gauge (``metric_names["spec_accept_length"]``)
+    or none."""
+    prefix_cache_counters: ClassVar[dict[str, str]] = {}
+    """The prefix-cache counters the serving stage reads around its load (``prompt``, ``cached``,
+    ``queried`` -> Prometheus name, as scraped, with ``_total``): ``cached / queried`` is the load's
+    prefix-cache hit rate (docs/workloads.md); empty when the engine exposes none."""
 
     # ---- capabilities ------------------------------------------------------------------
     launches: ClassVar[bool] = True

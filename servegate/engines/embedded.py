@@ -14,8 +14,8 @@ import requests
 from servegate.budgets import EmbeddedBudget
 from servegate.config import WorkerSpec
 from servegate.engines.base import Engine, Protocol, ServerCapacity
-from servegate.engines.sglang import (SGLANG_METRIC_NAMES, fetch_sglang_server_info, parse_server_info,
-                                     sglang_common_flags, sglang_flush)
+from servegate.engines.sglang import (SGLANG_METRIC_NAMES, SGLANG_PREFIX_CACHE_COUNTERS, fetch_sglang_server_info,
+                                     parse_server_info, sglang_common_flags, sglang_flush)
 from servegate.errors import StageError
 from servegate.worker.cli import API_KEY_ENV
 
@@ -27,6 +27,7 @@ class EmbeddedEngine(Engine):
     protocol: ClassVar[Protocol] = "native"
     readiness_path: ClassVar[str] = "/health_generate"
     metric_names: ClassVar[dict[str, str]] = SGLANG_METRIC_NAMES
+    prefix_cache_counters: ClassVar[dict[str, str]] = SGLANG_PREFIX_CACHE_COUNTERS  # the worker mirrors SGLang's
     metrics_hint: ClassVar[str] = "start the embedded worker with --enable-metrics (worker.enable_metrics = true)"
     can_flush: ClassVar[bool] = True
     has_metrics: ClassVar[bool] = True

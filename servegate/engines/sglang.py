@@ -18,7 +18,7 @@ from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
 from servegate.errors import ConfigError, FlushError, StageError
 from servegate.http import body_excerpt, join_url, json_body, request_within
 
-__all__ = ["SGLangEngine", "SGLANG_METRIC_NAMES", "SGLANG_SPECULATIVE_ALGORITHMS", "parse_server_info",
+__all__ = ["SGLangEngine", "SGLANG_METRIC_NAMES", "SGLANG_PREFIX_CACHE_COUNTERS", "SGLANG_SPECULATIVE_ALGORITHMS", "parse_server_info",
            "fetch_sglang_server_info", "sglang_flush", "sglang_speculative_flags"]
 
 SGLANG_METRIC_NAMES: dict[str, str] = {
@@ -27,6 +27,14 @@ SGLANG_METRIC_NAMES: dict[str, str] = {
     "token_usage": "sglang:token_usage",
     "num_running_reqs": "sglang:num_running_reqs",
     "num_queue_reqs": "sglang:num_queue_reqs",
+}
+
+SGLANG_PREFIX_CACHE_COUNTERS: dict[str, str] = {
+    # sglang:prompt_tokens / sglang:cached_tokens (counters: scraped with "_total"); every prompt token
+    # is looked up in the radix cache, so the prompt tokens are also the cache's queries.
+    "prompt": "sglang:prompt_tokens_total",
+    "cached": "sglang:cached_tokens_total",
+    "queried": "sglang:prompt_tokens_total",
 }
 
 # sglang/srt/server_args.py, ServerArgs.speculative_algorithm (checked against SGLang's source and
@@ -195,6 +203,7 @@ class SGLangEngine(Engine):
     protocol: ClassVar[Protocol] = "native"
     readiness_path: ClassVar[str] = "/health_generate"
     metric_names: ClassVar[dict[str, str]] = SGLANG_METRIC_NAMES
+    prefix_cache_counters: ClassVar[dict[str, str]] = SGLANG_PREFIX_CACHE_COUNTERS
     metrics_hint: ClassVar[str] = (
         "start the server with --enable-metrics and env SGLANG_ENABLE_METRICS_DEVICE_TIMER=1"
     )

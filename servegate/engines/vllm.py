@@ -24,7 +24,7 @@ from servegate.errors import ConfigError, FlushError
 from servegate.http import body_excerpt, join_url, request_within
 from servegate.models import MODEL_ALIASES, ensure_model
 
-__all__ = ["VLLMEngine", "VLLM_METRIC_NAMES", "VLLM_SPEC_DECODE_COUNTERS", "vllm_speculative_config"]
+__all__ = ["VLLMEngine", "VLLM_METRIC_NAMES", "VLLM_PREFIX_CACHE_COUNTERS", "VLLM_SPEC_DECODE_COUNTERS", "vllm_speculative_config"]
 
 VLLM_METRIC_NAMES: dict[str, str] = {
     # vLLM's KV usage is a 0..1 fraction like sglang:token_usage.
@@ -32,6 +32,13 @@ VLLM_METRIC_NAMES: dict[str, str] = {
     "token_usage": "vllm:kv_cache_usage_perc",
     "num_running_reqs": "vllm:num_requests_running",
     "num_queue_reqs": "vllm:num_requests_waiting",
+}
+
+VLLM_PREFIX_CACHE_COUNTERS: dict[str, str] = {
+    # vllm/v1/metrics/loggers.py: prompt tokens, and the prefix cache's queries and hits, in tokens.
+    "prompt": "vllm:prompt_tokens_total",
+    "cached": "vllm:prefix_cache_hits_total",
+    "queried": "vllm:prefix_cache_queries_total",
 }
 
 VLLM_SPEC_DECODE_COUNTERS: dict[str, str] = {
@@ -130,6 +137,7 @@ class VLLMEngine(Engine):
     metric_names: ClassVar[dict[str, str]] = VLLM_METRIC_NAMES
     # vLLM has no accept-length gauge: the occupancy stage derives it from these counters.
     spec_decode_counters: ClassVar[dict[str, str]] = VLLM_SPEC_DECODE_COUNTERS
+    prefix_cache_counters: ClassVar[dict[str, str]] = VLLM_PREFIX_CACHE_COUNTERS
     metrics_hint: ClassVar[str] = (
         "vLLM serves /metrics by default; check that the URL is the API server's and that it is a "
         "recent vLLM (vllm:kv_cache_usage_perc, vllm:num_requests_running); vLLM has no fwd_occupancy gauge"
