@@ -8,7 +8,8 @@ back to the terminal as well.
 The stages are shown on stderr (stdout keeps the verdict table or the ``--json`` document):
 
 - on a terminal (and not under ``CI=true``), a live view (rich): one line per stage with a
-  spinner, its elapsed time and what it waits on, turning into a mark and its duration;
+  spinner, its elapsed time, how far it is (:func:`progress`: the load's finished requests) and
+  what it waits on, turning into a mark and its duration;
 - otherwise (CI logs, a pipe), no animation: one plain line per stage when it ends.
 
 The gate reports to this module through :func:`stage_started`, :func:`stage_ended` and
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-__all__ = ["configure_logging", "install", "uninstall", "stage_started", "stage_ended", "run_folder_opened",
+__all__ = ["configure_logging", "install", "uninstall", "stage_started", "stage_ended", "progress", "run_folder_opened",
            "is_interactive", "LOG_FILE"]
 
 LOG_FILE = "gate.log"
@@ -132,6 +133,7 @@ class _LiveView:
 
         self._console = Console(file=stream, highlight=False)
         self._running: dict[str, float] = {}
+        self._progress: dict[str, str] = {}
         self._lock = threading.Lock()
         self._live = Live(self, console=self._console, refresh_per_second=4, transient=True,
                           redirect_stdout=False, redirect_stderr=False)
@@ -144,10 +146,18 @@ class _LiveView:
         table = Table.grid(padding=(0, 1))
         with self._lock:
             running = list(self._running.items())
+            progress = dict(self._progress)
         now = time.monotonic()
         for stage, since in running:
-            table.add_row(Spinner("dots"), f"{stage:<18}", f"{now - since:6.1f} s", f"[dim]{_waits_on(stage)}[/dim]")
+            done = f"{progress[stage]}  " if stage in progress else ""
+            table.add_row(Spinner("dots"), f"{stage:<18}", f"{now - since:6.1f} s",
+                          f"{done}[dim]{_waits_on(stage)}[/dim]")
         return table
+
+    def progress(self, text: str) -> None:
+        with self._lock:
+            if self._running:
+                self._progress[next(reversed(self._running))] = text
 
     def started(self, stage: str) -> None:
         with self._lock:
@@ -156,6 +166,7 @@ class _LiveView:
     def ended(self, stage: str, status: str, duration_s: float | None, error: str | None) -> None:
         with self._lock:
             self._running.pop(stage, None)
+            self._progress.pop(stage, None)
         style = {"ok": "green", "failed": "red"}.get(status, "dim")
         self._live.console.print(_line(stage, status, duration_s, error), style=style, markup=False)
 
@@ -194,6 +205,13 @@ def stage_started(stage: str) -> None:
 def stage_ended(stage: str, status: str, duration_s: float | None = None, error: str | None = None) -> None:
     if _view is not None:
         _view.ended(stage, status, duration_s, error)
+
+
+def progress(done: int, total: int, unit: str = "requests") -> None:
+    """How far the running measurement is (e.g. the serving load's finished requests), shown next to
+    the latest running stage in the live view; nothing in plain mode (one line per stage)."""
+    if isinstance(_view, _LiveView):
+        _view.progress(f"{done}/{total} {unit}")
 
 
 def run_folder_opened(path: Path) -> None:

@@ -63,6 +63,7 @@ import pandas as pd
 import requests
 from tqdm import tqdm
 
+from servegate import console
 from servegate.bench.datasets import (
     DatasetRow,
     as_text_prompts,
@@ -268,6 +269,8 @@ async def _run_load(rows: list[DatasetRow], schedule: np.ndarray, base_url: str,
         with tqdm(total=len(rows), desc="serving", unit="req", file=sys.stderr,
                   disable=not cfg.progress) as pbar:
 
+            finished_count = [0]
+
             async def one(i: int, dispatched: float) -> None:
                 if semaphore is None:
                     sent = time.perf_counter()
@@ -282,6 +285,8 @@ async def _run_load(rows: list[DatasetRow], schedule: np.ndarray, base_url: str,
                 records[i] = _record(i, rows[i], float(schedule[i]), dispatched - t0, sent - t0,
                                      finished - t0, outcome)
                 pbar.update(1)
+                finished_count[0] += 1
+                console.progress(finished_count[0], len(rows))
 
             # A dispatcher thread walks the schedule and hands each request to the loop when
             # it is due. Event-loop timers have 1 ms resolution (uvloop's fire up to ~1 ms
