@@ -35,7 +35,8 @@ from servegate.history import RunRecord, Store
 from servegate.plots import (cdf_plot, occupancy_plot, one_batch_plot, paired_interval_plot, paired_ratio_plot,
                              speculated, speculation_plot, trend_plot)
 from servegate.render import (UNDECIDED_HEADING, calibration_text, gated_paired_rows, interval_text, markdown_cell, markdown_code,
-                              markdown_text, paired_text, percent_text, ratio_number_text)
+                              markdown_text, metric_rows, paired_text, percent_text, ratio_number_text)
+from servegate.tables import TABLE_STAGE
 
 __all__ = [
     "PLOT_NAMES",
@@ -87,21 +88,71 @@ def failing_rows(comparison: pd.DataFrame | None) -> pd.DataFrame:
 
 
 
+_STAGE_ORDER = ("one_batch", "serving", "occupancy", "quality", "capacity", "paired", "comparison")
+"""The order of the report's stage groups (stage names of :data:`servegate.tables.TABLE_STAGE`;
+``comparison`` holds rows of no known table, e.g. the relative check on the comparison itself)."""
+
+
+def _stage_of(table: Any) -> str:
+    stage = TABLE_STAGE.get(str(table), "comparison")
+    return "comparison" if stage == "compare" else stage
+
+
+def _by_stage(rows: Iterable[Any], table_of) -> list[tuple[str, list[Any]]]:
+    """``rows`` grouped by the stage of their table, in pipeline order (row order kept inside)."""
+    groups: dict[str, list[Any]] = {}
+    for row in rows:
+        groups.setdefault(_stage_of(table_of(row)), []).append(row)
+    order = {stage: i for i, stage in enumerate(_STAGE_ORDER)}
+    return sorted(groups.items(), key=lambda item: order.get(item[0], len(order)))
+
+
+def _stage_heading(section: str, stage: str) -> str:
+    return f'<h3 class="stage" id="{section}-{html.escape(stage)}">{html.escape(stage)}</h3>'
+
+
+def _wrap(table: str) -> str:
+    # A wide table scrolls inside its own box on a phone; the page itself never scrolls sideways.
+    return f'<div class="scroll">{table}</div>'
+
+
+def _shared_notes(notes: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+    """Notes that more than one row carries, numbered once: (paragraphs, note -> number)."""
+    counts: dict[str, int] = {}
+    for note in notes:
+        if note:
+            counts[note] = counts.get(note, 0) + 1
+    numbers = {note: i + 1 for i, note in enumerate(n for n, c in counts.items() if c > 1)}
+    paragraphs = [f'<p class="note" id="note-{i}">Note {i} ({counts[note]} rows): {html.escape(note)}</p>'
+                  for note, i in numbers.items()]
+    return paragraphs, numbers
+
+
 def _comparison_table(comparison: pd.DataFrame | None) -> str:
     if comparison is None or comparison.empty:
         return "<p>No comparison with a baseline.</p>"
     calibrated = "min_detectable" in comparison.columns and comparison["min_detectable"].notna().any()
-    rows = []
-    for r in comparison.itertuples(index=False):
-        row = [r.metric, r.case, r.unit, r.baseline_value, r.current_value, r.ratio,
-               f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]", r.n_baseline, r.n_current, f"{r.bound:.0%}"]
-        if calibrated:
-            row += [percent_text(getattr(r, "min_detectable", math.nan)), percent_text(getattr(r, "false_alarm_upper95", math.nan))]
-        rows.append(row + [r.decision, r.reason if isinstance(r.reason, str) else ""])  # NaN from the store
     headers = ["metric", "case", "unit", "baseline", "current", "ratio", "CI", "n base", "n cur", "bound"]
     if calibrated:
         headers += ["min detectable", "false alarms ≤"]
-    return _mark_decisions(_html_table([*headers, "decision", "note"], rows, "comparison"))
+    records = list(comparison.itertuples(index=False))
+    # A note such as "1 sample(s) in this run, 3 needed" applies to many rows: said once, above
+    # the tables, and the rows point at it.
+    paragraphs, numbers = _shared_notes([r.reason if isinstance(r.reason, str) else "" for r in records])
+    parts = list(paragraphs)
+    for stage, group in _by_stage(records, lambda r: r.table):
+        rows = []
+        for r in group:
+            row = [r.metric, r.case, r.unit, r.baseline_value, r.current_value, r.ratio,
+                   f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]", r.n_baseline, r.n_current, f"{r.bound:.0%}"]
+            if calibrated:
+                row += [percent_text(getattr(r, "min_detectable", math.nan)),
+                        percent_text(getattr(r, "false_alarm_upper95", math.nan))]
+            reason = r.reason if isinstance(r.reason, str) else ""  # NaN from the store
+            rows.append(row + [r.decision, f"see note {numbers[reason]}" if reason in numbers else reason])
+        parts.append(_stage_heading("comparison", stage))
+        parts.append(_wrap(_mark_decisions(_html_table([*headers, "decision", "note"], rows, "comparison"))))
+    return "\n".join(parts)
 
 
 def _mark_decisions(table: str) -> str:
@@ -136,32 +187,41 @@ def _paired_section(tables: Mapping[str, pd.DataFrame]) -> list[str]:
         rows.append([r.metric, r.unit, _text_or(r.direction, "").replace("_", " "), _fmt(r.baseline_median, 4),
                      _fmt(r.candidate_median, 4), ratio_number_text(r.ratio), interval_text(r.ci_low, r.ci_high),
                      percent_text(r.bound), decision, r.rounds, _text_or(r.reason, "")])
-    parts.append(_mark_decisions(_html_table(
+    parts.append(_wrap(_mark_decisions(_html_table(
         ["metric", "unit", "direction", "baseline (median)", "candidate (median)", "ratio", "interval", "bound",
-         "decision", "rounds", "note"], rows, "paired")))
+         "decision", "rounds", "note"], rows, "paired"))))
     for row in gated_paired_rows(paired.to_dict("records")):
         parts.append(paired_ratio_plot(row, rounds))
         parts.append(paired_interval_plot(row, rounds))
     if workers is not None and not workers.empty:
         parts.append("<h3>Paired workers</h3>")
-        parts.append(_html_table(
+        parts.append(_wrap(_html_table(
             ["side", "instance", "engine", "model", "python", "extra args", "CPUs", "pid", "launch (s)",
              "warm-up (s)"],
             [[w.side, w.instance, w.engine, w.model, _text_or(w.python, "default"), w.extra_args,
               _text_or(w.cpus, "not pinned"), w.pid, w.launch_s, w.warmup_s]
-             for w in workers.itertuples(index=False)], "paired-workers"))
+             for w in workers.itertuples(index=False)], "paired-workers")))
     return parts
 
 
 _CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem;max-width:70rem;color:#1f2328}
+*{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1rem auto;padding:0 1rem;max-width:84rem;
+color:#1f2328;overflow-wrap:anywhere}
 h1{font-size:1.5rem} h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #d0d7de}
+h3.stage{font-size:1rem;margin:1rem 0 .2rem;text-transform:none;color:#57606a}
 .verdict{display:inline-block;padding:.2rem .8rem;border-radius:1rem;color:#fff;font-weight:600}
-table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0} td,th{border:1px solid #d0d7de;padding:.2rem .5rem}
+div.scroll{max-width:100%;overflow-x:auto}
+table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0;overflow-wrap:normal}
+td,th{border:1px solid #d0d7de;padding:.2rem .5rem}
 th{background:#f6f8fa} td.bad{color:#cf222e;font-weight:600} td.good{color:#1a7f37}
-figure.plot{display:inline-block;margin:.5rem;vertical-align:top} figure svg{max-width:100%;height:auto}
+p.note{font-size:.85rem;color:#57606a;margin:.2rem 0}
+figure.plot{display:inline-block;margin:.5rem;vertical-align:top;max-width:100%}
+figure svg,img{max-width:100%;height:auto}
 figcaption{font-weight:600;font-size:.9rem} p.empty{color:#57606a;font-style:italic}
-dl{display:grid;grid-template-columns:max-content auto;gap:.1rem 1rem} dt{font-weight:600}
+dl{display:grid;grid-template-columns:max-content minmax(0,1fr);gap:.1rem 1rem} dt{font-weight:600} dd{margin:0}
+@media (max-width:40rem){body{padding:0 .5rem} figure.plot{margin:.5rem 0}
+dl{grid-template-columns:minmax(0,1fr)} dd{margin-left:1rem}}
 """
 
 
@@ -174,7 +234,7 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
     """The report as one HTML string, from data already in memory (no store needed)."""
     status = str(verdict.get("status", "unknown"))
     colour = _STATUS_COLOURS.get(status, "#57606a")
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>servegate {html.escape(run_id)}"
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-width, initial-scale=1'><title>servegate {html.escape(run_id)}"
              f"</title><style>{_CSS}</style></head><body>",
              f"<h1>servegate report — {html.escape(key)}</h1>",
              f'<p>Run <code>{html.escape(run_id)}</code>: <span class="verdict" id="verdict" '
@@ -193,9 +253,12 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
     parts.append("<h2>Breaches</h2>")
     breaches = verdict.get("breaches") or []
     if breaches:
-        parts.append(_html_table(["table", "expectation", "column", "observed", "allowed", "source"],
-                                 [[b.get("table"), b.get("expectation"), b.get("column"), b.get("observed"),
-                                   b.get("allowed"), b.get("source")] for b in breaches], "breaches"))
+        for stage, group in _by_stage(breaches, lambda b: b.get("table")):
+            parts.append(_stage_heading("breaches", stage))
+            parts.append(_wrap(_html_table(
+                ["table", "expectation", "column", "observed", "allowed", "source"],
+                [[b.get("table"), b.get("expectation"), b.get("column"), b.get("observed"), b.get("allowed"),
+                  b.get("source")] for b in group], "breaches")))
     else:
         parts.append("<p>No expectation was breached.</p>")
     infra = verdict.get("infra_errors") or []
@@ -361,23 +424,39 @@ def _md_link_target(path: str | Path) -> str:
     return str(path).replace("<", "%3C").replace(">", "%3E").replace("\n", "%0A").replace("\r", "%0D")
 
 
+_EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 2}
+
+
 def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str, Any] | Any] = (),
                            comparison: pd.DataFrame | None = None, *, paired: pd.DataFrame | None = None,
                            run_id: str | None = None, key: str | None = None,
                            report_path: str | Path | None = None, path: str | Path | None = None) -> str:
-    """The run's summary as markdown (verdict, breaches, regressions, comparison, one line per
-    gated metric of the ``paired`` table); written to ``path`` when given, always returned (e.g.
-    for ``prefect.artifacts.create_markdown_artifact``)."""
+    """The run's summary as markdown, for a CI job summary or a Prefect markdown artifact: the
+    verdict line (status, exit code, gate key), the key metrics (:func:`servegate.render.metric_rows`:
+    each threshold check with its value, each gated comparison with value vs baseline, ratio,
+    interval and bound, and its decision), the breaches, infrastructure problems, undecided
+    metrics, the baseline's other (report-only) comparisons, one line per gated metric of the
+    ``paired`` table, then the links. Written to ``path`` when given, always returned."""
     verdict_d = _as_dict(verdict)
     outs = [_as_dict(o) for o in outcomes]
-    status = markdown_text(verdict_d.get("status", "unknown"))
-    lines = [f"## servegate: **{status}**" + (f" — {markdown_code(key)}" if key else "")]
+    raw_status = str(verdict_d.get("status", "unknown"))
+    exit_code = verdict_d.get("exit_code", _EXIT_CODES.get(raw_status))
+    lines = [f"## servegate: **{markdown_text(raw_status)}**"
+             + (f" (exit {markdown_text(exit_code)})" if exit_code is not None else "")
+             + (f" — {markdown_code(key)}" if key else "")]
     if run_id:
-        link = f" · [HTML report](<{_md_link_target(report_path)}>)" if report_path else ""
-        lines.append(f"Run {markdown_code(run_id)}" + link)
+        lines.append(f"Run {markdown_code(run_id)}")
     evaluated = [o for o in outs if o.get("success") is not None]
     lines.append(f"\n{sum(o.get('success') is True for o in outs)}/{len(evaluated)} expectations met, "
                  f"{sum(o.get('success') is None for o in outs)} not evaluated.")
+    records = [] if comparison is None or comparison.empty else comparison.to_dict("records")
+    metrics = metric_rows(outs, records)
+    if metrics:
+        lines += ["\n### Key metrics", "| | metric | value | allowed / ratio [interval] | check |",
+                  "|---|---|---:|---|---|"]
+        for mark, *cells in metrics:
+            bold = "**" if mark in ("FAIL", "UNDECIDED") else ""
+            lines.append(f"| {bold}{markdown_cell(mark)}{bold} | " + " | ".join(markdown_cell(c) for c in cells) + " |")
     breaches = verdict_d.get("breaches") or []
     if breaches:
         lines += ["\n### Breaches", "| table | expectation | column | observed | allowed | source |",
@@ -393,22 +472,34 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
     trust = calibration_text(verdict_d.get("calibration"))
     if trust:
         lines.append(f"\n**Trust:** {markdown_text(trust)}")
-    if comparison is not None and not comparison.empty:
-        lines += ["\n### Comparison with the baseline",
-                  f"Baseline: {markdown_text(_fmt(comparison['baseline_policy'].iloc[0]))}\n",
-                  "| metric | case | baseline | current | ratio | CI | decision |", "|---|---|---|---|---|---|---|"]
-        for r in comparison.itertuples(index=False):
-            mark = "**" if r.decision == "regression" else ""
-            ci = f"[{_md_escape(r.ci_low)}, {_md_escape(r.ci_high)}]"
-            lines.append(f"| {_md_escape(r.metric)} | {_md_escape(r.case)} | {_md_escape(r.baseline_value)} | "
-                         f"{_md_escape(r.current_value)} | {mark}{_md_escape(r.ratio)}{mark} | {ci} | "
-                         f"{mark}{_md_escape(r.decision)}{mark} |")
+    if records:
+        policy = markdown_text(_fmt(records[0].get("baseline_policy")))
+        # Gated rows are in the key metrics already; the rest (report only) once here, a note shared
+        # by several rows said once above the table.
+        others = [r for r in records if r.get("gated") != True]  # noqa: E712 - numpy's True_ is not True
+        lines += ["\n### Comparison with the baseline", f"Baseline: {policy}"]
+        if others:
+            notes = [r.get("reason") if isinstance(r.get("reason"), str) else "" for r in others]
+            counts = {n: notes.count(n) for n in notes if n}
+            numbers = {n: i + 1 for i, n in enumerate(n for n, c in counts.items() if c > 1)}
+            lines += [f"\nNote {i} ({counts[n]} rows): {markdown_text(n)}" for n, i in numbers.items()]
+            lines += ["\nReported, not gated:\n", "| metric | case | baseline | current | ratio | CI | decision | note |",
+                      "|---|---|---:|---:|---:|---|---|---|"]
+            for r, note in zip(others, notes):
+                ci = f"[{_md_escape(r.get('ci_low'))}, {_md_escape(r.get('ci_high'))}]"
+                shown = f"note {numbers[note]}" if note in numbers else note
+                lines.append(f"| {_md_escape(r.get('metric'))} | {_md_escape(r.get('case'))} | "
+                             f"{_md_escape(r.get('baseline_value'))} | {_md_escape(r.get('current_value'))} | "
+                             f"{_md_escape(r.get('ratio'))} | {ci} | {_md_escape(r.get('decision'))} | "
+                             f"{_md_escape(shown)} |")
     gated = [] if paired is None else gated_paired_rows(paired.to_dict("records"))
     if gated:
         lines.append("\n### Paired comparison (candidate / baseline)")
         for row in gated:
             mark = "**" if row.get("decision") == "regression" else ""
             lines.append(f"- {mark}{markdown_text(paired_text(row))}{mark}")
+    if report_path:
+        lines += ["\n### Links", f"- [HTML report](<{_md_link_target(report_path)}>)"]
     text = "\n".join(lines) + "\n"
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
