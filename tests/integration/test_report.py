@@ -197,9 +197,120 @@ def test_markdown_summary(history, tmp_path: Path) -> None:
     text = write_markdown_summary(rec.verdict, store.outcomes(run_id), comparison, run_id=run_id, key=str(rec.key),
                                   report_path="report.html", path=tmp_path / "summary.md")
     assert (tmp_path / "summary.md").read_text() == text
-    assert text.startswith("## servegate: **fail** — `smoke/embedded/cpu/smollm2-135m`")
-    assert "[HTML report](<report.html>)" in text and "### Breaches" in text
-    assert "| serving.itl_ms.median |  |" in text and "**regression**" in text
+    assert text.startswith("## servegate: **fail** (exit 1) — `smoke/embedded/cpu/smollm2-135m`\n")
+    assert "### Breaches" in text
+    assert text.rstrip().endswith("### Links\n- [HTML report](<report.html>)")  # links last
+
+
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The body rows of the Markdown table under ``heading``, as cells (escaped pipes kept in a cell)."""
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+
+
+def test_markdown_summary_leads_with_the_verdict_and_a_key_metric_table(history) -> None:
+    """The summary a CI page shows: the verdict line, then one row per threshold check and per gated
+    comparison (value vs baseline, ratio [interval] vs bound, decision), then breaches and links; the
+    gated rows are not repeated in the comparison table, and a note shared by rows is said once."""
+    store, run_id, _ = history
+    rec = store.get_run(run_id)
+    text = write_markdown_summary(rec.verdict, store.outcomes(run_id), store.table(run_id, "comparison"),
+                                  run_id=run_id, key=str(rec.key), report_path="report.html")
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    assert headings == ["## servegate: **fail** (exit 1) — `smoke/embedded/cpu/smollm2-135m`", "### Key metrics",
+                        "### Breaches", "### Comparison with the baseline", "### Links"]
+    rows = {row[1]: row for row in _table(text, "### Key metrics")}
+    # The breach: the threshold check with the value it saw.
+    assert rows["serving_summary.failed"] == ["**FAIL**", "serving_summary.failed", "3", "<= 0", "threshold"]
+    # A gated comparison row: current vs baseline median, ratio and interval against the bound, decision.
+    itl = rows["serving.itl_ms.median"]
+    assert itl[0] == "**FAIL**" and itl[4] == "baseline: regression"
+    assert re.fullmatch(r"[\d.]+ vs [\d.]+", itl[2]), itl
+    assert re.fullmatch(r"×1\.\d{4} \\\[1\.\d{4}, 1\.\d{4}\\\] vs bound 5\.0%", itl[3]), itl
+    ratio, low, high = (float(x) for x in re.findall(r"\d+\.\d{4}", itl[3]))
+    assert 1.2 < low <= ratio <= high < 1.4  # the 30 % slower decode
+    assert list(rows) == ["serving_summary.failed", "serving.ttft_ms.median", "serving.itl_ms.median",
+                          "serving.tpot_ms.median", "serving.e2e_latency_ms.median", "serving.itl_ms.p99",
+                          "occupancy.fwd_occupancy.median"]
+    others = _table(text, "Reported, not gated:")
+    assert {row[0] for row in others}.isdisjoint(rows)  # a gated metric said once
+    assert text.count("1 sample(s) in this run, 3 needed") == 1  # the shared note, once
+    assert sum(row[-1] == "note 2" for row in others) == 8
+
+
+# ---- the report at phone and desktop width (headless Chromium through Playwright) -----------
+PW_CHROMIUM = os.environ.get("SERVEGATE_CHROMIUM", "/usr/bin/chromium")
+
+
+def _playwright_missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -e '.[test]')"
+    if not Path(PW_CHROMIUM).is_file():
+        return f"no Chromium at {PW_CHROMIUM} (apt-get install chromium, or set SERVEGATE_CHROMIUM)"
+    return None
+
+
+_PW_MISSING = _playwright_missing()
+if os.environ.get("CI") == "true" and _PW_MISSING:
+    raise RuntimeError(f"CI=true but {_PW_MISSING}; CI must run `bash scripts/setup.sh --tests`, which installs both")
+
+_LAYOUT_JS = """() => ({
+  scrollWidth: document.documentElement.scrollWidth,
+  imgs: [...document.images].map(i => ({src: i.src.slice(0, 60), ok: i.complete && i.naturalWidth > 0})),
+  svgs: [...document.querySelectorAll('figure.plot svg')].map(s => s.getBoundingClientRect().width),
+  stages: [...document.querySelectorAll('h3.stage')].map(h => h.id),
+  notes: [...document.querySelectorAll('p.note')].map(p => p.textContent),
+  cells: [...document.querySelectorAll('table.comparison td')].map(td => td.textContent),
+})"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(_PW_MISSING is not None, reason=_PW_MISSING or "")
+def test_report_reads_at_phone_and_desktop_width(history, tmp_path: Path) -> None:
+    """The report in a real browser at 390 px (a phone) and 1400 px: no sideways scrolling of the
+    page at phone width (wide tables scroll in their own box), every plot and image drawn, no
+    console error, the comparison rows under one heading per stage, and a note shared by rows
+    (one-batch cases measured once) said once above the tables instead of on each row."""
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    store, run_id, _ = history
+    report = write_report(store, run_id, tmp_path / "report.html")
+    errors: list[str] = []
+    seen: dict[int, dict] = {}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=PW_CHROMIUM, args=["--no-sandbox"])
+        try:
+            for width in (390, 1400):
+                page = browser.new_page(viewport={"width": width, "height": 900})
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(report.as_uri(), wait_until="load")
+                seen[width] = page.evaluate(_LAYOUT_JS)
+                shot = tmp_path / f"report-{width}.png"
+                page.screenshot(path=str(shot), full_page=True)
+                page.close()
+        finally:
+            browser.close()
+    assert errors == []
+    for width, layout in seen.items():
+        shot = tmp_path / f"report-{width}.png"
+        with Image.open(shot) as img:
+            assert img.size[0] == width and img.size[1] > 900, img.size  # the whole page, taller than a screen
+            colours = img.convert("RGB").getcolors(maxcolors=1_000_000)
+        assert colours is not None and len(colours) > 50, width  # plots drawn, not a blank page
+        assert all(i["ok"] for i in layout["imgs"]), layout["imgs"]
+        assert layout["svgs"] and all(0 < w <= width for w in layout["svgs"]), (width, layout["svgs"])
+    assert seen[390]["scrollWidth"] <= 390 + 2, seen[390]["scrollWidth"]
+    stages = seen[1400]["stages"]
+    assert stages == ["breaches-serving", "comparison-one_batch", "comparison-serving", "comparison-occupancy"]
+    note = "1 sample(s) in this run, 3 needed; repeat each case to gate it"
+    assert report.read_text().count(note) == 1
+    assert [n for n in seen[1400]["notes"] if note in n] == [f"Note 2 (8 rows): {note}"]
+    assert seen[1400]["cells"].count("see note 2") == 8 and note not in seen[1400]["cells"]
 
 
 # ---- untrusted text in the outputs (issue 11, finding 15b) ----------------------------------
