@@ -2,7 +2,9 @@
 
 - :func:`write_report` — one self-contained HTML file per run (no scripts, no external files;
   plots are inline SVG drawn with matplotlib's object API, no pyplot global state): the verdict,
-  the breaches, the comparison with the baseline, one-batch latency vs batch size, serving
+  the breaches and the comparison with the baseline (rows grouped under one heading per stage,
+  :data:`servegate.tables.TABLE_STAGE`; a note several rows share said once above the tables, the
+  rows pointing at it), one-batch latency vs batch size, serving
   TTFT/ITL CDFs against the baseline, occupancy over time (and, for a run that speculated, its
   accept length over time beside the serving ITLs), each gated metric's nightly trend
   with its baseline band (baseline value x [1 - bound, 1 + bound]), and, when the run has a
@@ -11,8 +13,13 @@
   both workers. The plots are :mod:`servegate.plots`.
 - :func:`write_junit` — one ``<testcase>`` per expectation; breaches are ``<failure>``,
   expectations that could not be evaluated are ``<skipped>``, infra errors are ``<error>``.
-- :func:`write_markdown_summary` — the verdict, breaches, comparison and gated paired metrics as
-  markdown (for a CI job summary or a Prefect markdown artifact).
+- :func:`write_markdown_summary` — the verdict line (status, exit code, key), a key-metric table
+  (:func:`servegate.render.metric_rows`, the terminal's rows), breaches, infrastructure problems,
+  undecided metrics, the report-only comparisons, gated paired metrics, then links, as markdown
+  (for a CI job summary or a Prefect markdown artifact).
+
+The report reads at phone width (390 px) as on a wide screen: the page never scrolls sideways,
+a wide table scrolls inside its own box, plots shrink to the window.
 """
 
 from __future__ import annotations
