@@ -123,14 +123,15 @@ def _wrap(table: str) -> str:
     return f'<div class="scroll">{table}</div>'
 
 
-def _shared_notes(notes: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+def _shared_notes(notes: Sequence[str], label: str = "Note") -> tuple[list[str], dict[str, int]]:
     """Notes that more than one row carries, numbered once: (paragraphs, note -> number)."""
     counts: dict[str, int] = {}
     for note in notes:
         if note:
             counts[note] = counts.get(note, 0) + 1
     numbers = {note: i + 1 for i, note in enumerate(n for n, c in counts.items() if c > 1)}
-    paragraphs = [f'<p class="note" id="note-{i}">Note {i} ({counts[note]} rows): {html.escape(note)}</p>'
+    anchor = label.lower().replace(" ", "-")
+    paragraphs = [f'<p class="note" id="{anchor}-{i}">{label} {i} ({counts[note]} rows): {html.escape(note)}</p>'
                   for note, i in numbers.items()]
     return paragraphs, numbers
 
@@ -189,11 +190,16 @@ def _paired_section(tables: Mapping[str, pd.DataFrame]) -> list[str]:
              f'{html.escape(_text_or(first["method"], "interval"))} at {percent_text(first["confidence"])}. '
              f'Stopped: {html.escape(_text_or(first["stopped_because"], "not recorded"))}.</p>']
     rows = []
-    for r in paired.itertuples(index=False):
+    records = list(paired.itertuples(index=False))
+    notes, numbers = _shared_notes([_text_or(r.reason, "") for r in records], "Paired note")
+    parts += notes
+    for r in records:
         decision = r.decision if r.decision != "report_only" else f"report only ({r.paired_decision})"
+        reason = _text_or(r.reason, "")
         rows.append([r.metric, r.unit, _text_or(r.direction, "").replace("_", " "), _fmt(r.baseline_median, 4),
                      _fmt(r.candidate_median, 4), ratio_number_text(r.ratio), interval_text(r.ci_low, r.ci_high),
-                     percent_text(r.bound), decision, r.rounds, _text_or(r.reason, "")])
+                     percent_text(r.bound), decision, r.rounds,
+                     f"see paired note {numbers[reason]}" if reason in numbers else reason])
     parts.append(_wrap(_mark_decisions(_html_table(
         ["metric", "unit", "direction", "baseline (median)", "candidate (median)", "ratio", "interval", "bound",
          "decision", "rounds", "note"], rows, "paired"))))
