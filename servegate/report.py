@@ -247,8 +247,9 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
     """The report as one HTML string, from data already in memory (no store needed)."""
     status = str(verdict.get("status", "unknown"))
     colour = _STATUS_COLOURS.get(status, "#57606a")
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-width, initial-scale=1'><title>servegate {html.escape(run_id)}"
-             f"</title><style>{_CSS}</style></head><body>",
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+             f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+             f"<title>servegate {html.escape(run_id)}</title><style>{_CSS}</style></head><body>",
              f"<h1>servegate report — {html.escape(key)}</h1>",
              f'<p>Run <code>{html.escape(run_id)}</code>: <span class="verdict" id="verdict" '
              f'style="background:{colour}">{html.escape(status)}</span></p>']
@@ -496,7 +497,8 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
             counts = {n: notes.count(n) for n in notes if n}
             numbers = {n: i + 1 for i, n in enumerate(n for n, c in counts.items() if c > 1)}
             lines += [f"\nNote {i} ({counts[n]} rows): {markdown_text(n)}" for n, i in numbers.items()]
-            lines += ["\nReported, not gated:\n", "| metric | case | baseline | current | ratio | CI | decision | note |",
+            lines += ["\nReported, not gated:\n",
+                      "| metric | case | baseline | current | ratio | CI | decision | note |",
                       "|---|---|---:|---:|---:|---|---|---|"]
             for r, note in zip(others, notes):
                 ci = f"[{_md_escape(r.get('ci_low'))}, {_md_escape(r.get('ci_high'))}]"
