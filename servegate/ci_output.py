@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from servegate.render import terminal_text
+from servegate.render import markdown_code, markdown_text, terminal_text
 from servegate.verdict import Verdict, observed_text
 
 __all__ = ["github_enabled", "annotations", "write_github_outputs", "PR_COMMENT", "comment_marker"]
@@ -80,7 +80,8 @@ def write_github_outputs(verdict: Verdict, key: str, run_dir: Path, stream: Text
     stream.flush()
     summary_path = run_dir / "summary.md"
     summary = summary_path.read_text(encoding="utf-8") if summary_path.is_file() else (
-        f"## servegate: **{verdict.status}** — `{key}`\n\n{verdict.reason}\n")
+        f"## servegate: **{verdict.status}** (exit {int(verdict.exit_code)}) — {markdown_code(key)}\n\n"
+        f"{markdown_text(verdict.reason)}\n")
     step_summary = os.environ.get("GITHUB_STEP_SUMMARY", "").strip()
     if step_summary:
         with open(step_summary, "a", encoding="utf-8") as fh:
