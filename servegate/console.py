@@ -28,12 +28,17 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 __all__ = ["configure_logging", "install", "uninstall", "stage_started", "stage_ended", "progress", "run_folder_opened",
-           "is_interactive", "LOG_FILE"]
+           "is_interactive", "LOG_FILE", "ENV_SET"]
 
 LOG_FILE = "gate.log"
 """The run folder's log: every record at INFO and above while the run was open."""
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+ENV_SET: tuple[str, ...] = ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "PREFECT_LOGGING_ROOT_LEVEL",
+                            "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")
+"""The environment variables :func:`configure_logging` sets (when unset): the command's process and
+its children inherit them (tests that call the CLI in-process restore them)."""
 
 _WAITS_ON = {
     "launch": "starting the worker and waiting until it is ready",
@@ -73,11 +78,12 @@ def configure_logging(verbose: bool) -> None:
     unless ``verbose``.
     """
     level = logging.INFO if verbose else logging.WARNING
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", logging.getLevelName(level))
-    os.environ.setdefault("PREFECT_LOGGING_ROOT_LEVEL", "INFO")
+    defaults = {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": logging.getLevelName(level),
+                "PREFECT_LOGGING_ROOT_LEVEL": "INFO"}
     if not verbose:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        defaults.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stderr)

@@ -25,3 +25,27 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _cli_logging_left_as_found():
+    """A test that runs the CLI in-process (``servegate.cli.main``) gets its logging set up for a
+    command (servegate.console.configure_logging: a root handler, PREFECT_LOGGING_* defaults that
+    child processes inherit); undo it, so that no later test's subprocess inherits a quiet Prefect
+    console and handlers do not pile up."""
+    import logging
+
+    from servegate.console import ENV_SET
+
+    saved_env = {name: os.environ.get(name) for name in ENV_SET}
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    yield
+    for name, value in saved_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    for handler in [h for h in root.handlers if h not in saved_handlers]:
+        root.removeHandler(handler)
+    root.setLevel(saved_level)

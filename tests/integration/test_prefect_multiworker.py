@@ -57,6 +57,8 @@ def _env(tmp_path: Path, port: int) -> dict[str, str]:
         "PREFECT_UI_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_LOGGING_LEVEL": "INFO",
+        # the workers' console shows their flow runs' INFO lines (the test reads who ran what there)
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO",
         "HF_HUB_OFFLINE": "1",
         "SERVEGATE_REPO": str(REPO),
         "SERVEGATE_DB": str(tmp_path / "history.db"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 
 import pytest
 
@@ -60,22 +61,17 @@ def test_on_a_terminal_the_running_stage_shows_its_progress_and_what_it_waits_on
 
 def test_the_run_log_gets_every_info_record_and_the_terminal_only_warnings(tmp_path, monkeypatch):
     monkeypatch.setenv("CI", "true")
-    for name in ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "PREFECT_LOGGING_ROOT_LEVEL", "HF_HUB_DISABLE_PROGRESS_BARS",
-                 "TRANSFORMERS_VERBOSITY"):
-        monkeypatch.delenv(name, raising=False)  # configure_logging sets them; restored after the test
-    root = logging.getLogger()
-    before = list(root.handlers), root.level
-    try:
-        console.configure_logging(verbose=False)
-        terminal = root.handlers[-1]
-        console.install(io.StringIO())
-        console.run_folder_opened(tmp_path)
-        logging.getLogger("httpx").info("HTTP Request: POST http://x/api/logs/")
-        logging.getLogger("servegate.x").warning("worker slow")
-        console.uninstall()
-        log = (tmp_path / console.LOG_FILE).read_text()
-        assert "INFO httpx: HTTP Request" in log and "WARNING servegate.x: worker slow" in log
-        assert terminal.level == logging.WARNING
-    finally:
-        root.handlers[:] = before[0]
-        root.setLevel(before[1])
+    for name in console.ENV_SET:
+        monkeypatch.delenv(name, raising=False)
+    root = logging.getLogger()  # the handler and variables it adds are undone by conftest
+    console.configure_logging(verbose=False)
+    terminal = root.handlers[-1]
+    assert os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] == "WARNING"
+    console.install(io.StringIO())
+    console.run_folder_opened(tmp_path)
+    logging.getLogger("httpx").info("HTTP Request: POST http://x/api/logs/")
+    logging.getLogger("servegate.x").warning("worker slow")
+    console.uninstall()
+    log = (tmp_path / console.LOG_FILE).read_text()
+    assert "INFO httpx: HTTP Request" in log and "WARNING servegate.x: worker slow" in log
+    assert terminal.level == logging.WARNING
