@@ -95,10 +95,10 @@ def test_launch_warmup_and_capabilities(gate: GateRun) -> None:
     assert gate.status("flush:serving") == "ok", gate.explain()
     assert "has no flush endpoint; measuring without flushing" in gate.proc.stderr
     assert gate.stages["occupancy"] == {
-        "stage": "occupancy", "status": "not_applicable", "duration_s": 0.0, "tables": [],
+        "stage": "occupancy", "status": "not_applicable", "duration_s": 0.0, "tables": [], "remarks": [],
         "error": "engine transformers exposes no Prometheus metrics the gate can rely on"}
     assert gate.stages["quality"] == {
-        "stage": "quality", "status": "not_applicable", "duration_s": 0.0, "tables": [],
+        "stage": "quality", "status": "not_applicable", "duration_s": 0.0, "tables": [], "remarks": [],
         "error": "engine transformers does not promise the prompt log-probabilities the quality stage scores"}
     assert not any(b.get("table", "").startswith(("occupancy", "quality")) for b in gate.verdict["breaches"])
     assert json.loads((gate.run_dir / "config.json").read_text())["worker"]["engine"] == "transformers"
@@ -117,8 +117,8 @@ def test_the_gate_passes_end_to_end(gate: GateRun) -> None:
     assert gate.verdict["status"] == "pass", gate.explain()
     assert {name: s["status"] for name, s in gate.stages.items()} == {
         "launch": "ok", "warmup": "ok", "one_batch": "skipped", "flush:serving": "ok", "serving": "ok",
-        "occupancy": "not_applicable", "quality": "not_applicable", "paired": "skipped", "compare": "skipped",
-        "validate": "ok"}  # paired: no baseline worker configured
+        "occupancy": "not_applicable", "quality": "not_applicable", "capacity": "skipped", "paired": "skipped",
+        "compare": "skipped", "validate": "ok"}  # capacity: off by default; paired: no baseline worker configured
     import pandas as pd
 
     summary = pd.read_parquet(gate.run_dir / "serving_summary.parquet").iloc[0]
