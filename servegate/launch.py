@@ -50,6 +50,11 @@ __all__ = ["WorkerHandle", "launch_worker", "free_port"]
 
 logger = logging.getLogger(__name__)
 
+EXIT_GRACE_S = 5.0
+"""After a request to a worker failed: how long its exit may take to show (a worker that crashed is
+often still exiting when the first request to it fails); the error then names the exit, not only the
+refused connection."""
+
 PROBE_TIMEOUT_S = 30.0
 """Longest single readiness probe (SGLang's /health_generate runs a 1-token generate)."""
 FIRST_BACKOFF_S = 0.1
@@ -127,6 +132,17 @@ class WorkerHandle:
     def is_alive(self) -> bool:
         """Whether the worker process runs (always True for an attached external server)."""
         return self._process is None or self._process.poll() is None
+
+    def exited_within(self, timeout_s: float) -> bool:
+        """Whether the worker process has exited or exits within ``timeout_s`` (False for an attached
+        external server). A worker that crashed is often still exiting when the first request to it fails."""
+        if self._process is None:
+            return False
+        try:
+            self._process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def log_tail(self, n_lines: int = 50) -> str:
         """The last ``n_lines`` lines of the worker's log."""

@@ -23,6 +23,7 @@ from servegate.config import GateConfig
 from servegate.engines import get_engine
 from servegate.engines.base import Engine
 from servegate.errors import ConfigError, DeadlineError, InfraError, ServegateError, WorkerDiedError
+from servegate.launch import EXIT_GRACE_S
 from servegate.proctree import exit_on_sigterm, guard_process_tree
 from servegate.stages import StageResult, StageSpec
 
@@ -350,7 +351,7 @@ class GateRun:
         if not isinstance(exc, ServegateError):
             message = f"internal error ({message}); this is a servegate bug, please report it with the run folder"
         if (self.worker is not None and not self.closed and not isinstance(exc, WorkerDiedError)
-                and not self.worker.is_alive()):
+                and self.worker.exited_within(EXIT_GRACE_S)):
             message += (f"\nThe worker exited during {stage} (code {self.worker.returncode}); "
                         f"log tail:\n{self.worker.log_tail(20)}")
         return message

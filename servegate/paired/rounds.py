@@ -36,6 +36,7 @@ from servegate.config import PAIRED_METRICS, GateConfig, PairedConfig, ServingCo
 from servegate.engine_install import resolve_engine_python
 from servegate.engines import get_engine
 from servegate.errors import ConfigError, StageError, WorkerDiedError
+from servegate.launch import EXIT_GRACE_S
 from servegate.paired.stats import Interval, ratio_interval
 from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
 
@@ -148,11 +149,19 @@ class PairedMeasurement:
         for side in self.sides.values():
             self._launch(side)
 
-    def check_alive(self) -> None:
-        for side in self.sides.values():
-            if side.handle is not None and not side.handle.is_alive():
-                raise WorkerDiedError(f"the {side.name} worker exited (code {side.handle.returncode}) during the "
-                                      f"paired measurement; log tail:\n{side.handle.log_tail(20)}")
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise :class:`WorkerDiedError` naming the side whose worker has exited. ``grace_s``: how long
+        to wait for an exit to show (a worker that crashed right after answering is still exiting
+        when its last response arrives)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for side in self.sides.values():
+                if side.handle is not None and not side.handle.is_alive():
+                    raise WorkerDiedError(f"the {side.name} worker exited (code {side.handle.returncode}) during "
+                                          f"the paired measurement; log tail:\n{side.handle.log_tail(20)}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
 
     # -- one block, one round -----------------------------------------------------------------
     def _block(self, side: _Side, round_index: int) -> dict[str, float]:
@@ -193,9 +202,17 @@ class PairedMeasurement:
             else:
                 for s in order:  # a thread per block, so that client_cpus pins only the load generator
                     values[names[s]] = pool.submit(self._block, self.sides[names[s]], r).result()
-        except BaseException:
+        except BaseException as exc:
             # SIGTERM, Ctrl-C or the other block's failure: stop the workers first, so that a block
             # still waiting on one fails at once instead of holding the teardown for its timeout.
+            # A block that failed because its worker died (a refused flush, a cut stream) says so:
+            # which side exited, its code and log tail, not only the connection error.
+            try:
+                if isinstance(exc, Exception) and not isinstance(exc, WorkerDiedError):
+                    self.check_alive(grace_s=EXIT_GRACE_S)
+            except WorkerDiedError as died:
+                self._stop_all()
+                raise died from exc
             self._stop_all()
             raise
         finally:

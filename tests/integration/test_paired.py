@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from servegate.config import load_config
+from servegate.errors import WorkerDiedError
 from servegate.launch import launch_worker
 from servegate.paired.rounds import PairedMeasurement
 from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
@@ -130,9 +131,11 @@ def test_a_worker_that_dies_fails_the_measurement_and_leaves_nothing(tmp_path: P
     m = PairedMeasurement(_config('worker.extra_args=["--fault-crash-after-requests","6"]', "paired.min_rounds=3",
                                   "paired.rounds_per_worker=50", "paired.max_measure_s=120"),
                           tmp_path, register=launched.append, tables=tables)
-    with pytest.raises(Exception) as info:
+    with pytest.raises(WorkerDiedError) as info:
         m.run()
-    assert "candidate" in str(info.value) or "worker" in str(info.value)
+    # Whichever request first meets the dead worker (the round's liveness check, the next flush or a
+    # block's stream), the error names the side that exited, not only a refused connection.
+    assert str(info.value).startswith("the candidate worker exited (code "), str(info.value)
     assert not any(h.is_alive() for h in launched)
     # What was measured before the crash is kept (the stage writes it as .partial).
     assert "paired_workers" in tables
