@@ -1,4 +1,5 @@
-"""`servegate status | report | baseline` as real processes against a real history database."""
+"""`servegate status | report | baseline` as real processes against a real history database: a SQLite
+file and a PostgreSQL database (``store_url``: each test once per backend)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 from test_store import KEY, T0, run_inputs, synthetic_tables
 
 from servegate.cli import main
@@ -22,9 +24,10 @@ from servegate.history import GateKey, Store
 OTHER = GateKey("nightly", "sglang", "h100", "meta-llama/Llama-3.1-8B-Instruct")
 
 
-def _cli(db: Path, *args: str) -> subprocess.CompletedProcess:
-    """The commands as a real process (what a release manager runs)."""
-    env = {**os.environ, "SERVEGATE_DB": f"sqlite:///{db}", "SERVEGATE_ACTOR": "rm-carol"}
+def _cli(db: str, *args: str) -> subprocess.CompletedProcess:
+    """The commands as a real process (what a release manager runs); the database URL in the environment,
+    as a team sets it (a URL with a password never goes on a command line)."""
+    env = {**os.environ, "SERVEGATE_DB": db, "SERVEGATE_ACTOR": "rm-carol"}
     return subprocess.run([sys.executable, "-m", "servegate", *args], capture_output=True, text=True,
                           timeout=120, env=env, check=False)
 
@@ -33,8 +36,8 @@ def _cli(db: Path, *args: str) -> subprocess.CompletedProcess:
 def cli_in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     """The same entry point in this process (each real process pays ~3 s of pandas/SQLAlchemy imports)."""
 
-    def run(db: Path, *args: str) -> subprocess.CompletedProcess:
-        monkeypatch.setenv("SERVEGATE_DB", f"sqlite:///{db}")
+    def run(db: str, *args: str) -> subprocess.CompletedProcess:
+        monkeypatch.setenv("SERVEGATE_DB", db)
         monkeypatch.setenv("SERVEGATE_ACTOR", "rm-carol")
         capsys.readouterr()
         code = main(list(args))
@@ -45,9 +48,9 @@ def cli_in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtur
 
 
 @pytest.fixture()
-def db(tmp_path: Path) -> Path:
-    path = tmp_path / "history.db"
-    with Store(str(path)) as store:
+def db(store_url: str, tmp_path: Path) -> str:
+    """A history with three passing runs of KEY, a failing fourth (with its report), and a re-run of OTHER."""
+    with Store(store_url) as store:
         for i in range(3):
             store.record_run(**run_inputs(f"smoke-{i}", started_at=T0 + timedelta(days=i), seed=i))
         current = synthetic_tables(50, slowdown=1.3)
@@ -61,7 +64,7 @@ def db(tmp_path: Path) -> Path:
                                       key=OTHER))
         store.record_run(**run_inputs("llama-0", started_at=T0 + timedelta(days=1), status="pass", key=OTHER),
                          attempt_of="llama-0")
-    return path
+    return store_url
 
 
 def test_add_arguments_wires_subcommands_with_handlers() -> None:
@@ -77,7 +80,7 @@ def test_add_arguments_wires_subcommands_with_handlers() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_status_one_line_per_key_with_failing_metrics_and_attempts(db: Path, cli_in_process) -> None:
+def test_status_one_line_per_key_with_failing_metrics_and_attempts(db: str, cli_in_process) -> None:
     res = _cli(db, "status")
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
@@ -103,7 +106,7 @@ def test_status_one_line_per_key_with_failing_metrics_and_attempts(db: Path, cli
 
 
 @pytest.mark.timeout(120)
-def test_baseline_pin_unpin_change_and_show(db: Path, cli_in_process) -> None:
+def test_baseline_pin_unpin_change_and_show(db: str, cli_in_process) -> None:
     res = cli_in_process(db, "baseline", "pin", "smoke-1", "--reason", "last build before the allocator change")
     assert res.returncode == 0 and "pinned smoke-1" in res.stdout, res.stderr
     show = cli_in_process(db, "baseline", "show", str(KEY)).stdout
@@ -122,7 +125,7 @@ def test_baseline_pin_unpin_change_and_show(db: Path, cli_in_process) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_report_command_writes_html(db: Path, tmp_path: Path, cli_in_process) -> None:
+def test_report_command_writes_html(db: str, tmp_path: Path, cli_in_process) -> None:
     out = tmp_path / "r" / "smoke-3.html"
     res = _cli(db, "report", "smoke-3", "--out", str(out))
     assert res.returncode == 0, res.stderr
@@ -130,3 +133,6 @@ def test_report_command_writes_html(db: Path, tmp_path: Path, cli_in_process) ->
     assert "<svg" in out.read_text()
     res = cli_in_process(db, "report", "no-such-run")
     assert res.returncode == 2 and "not in the history database" in res.stderr
+    url = make_url(db)
+    if url.password:  # PostgreSQL: the error names the database, with its password hidden
+        assert url.render_as_string(hide_password=True) in res.stderr and url.password not in res.stderr
