@@ -242,8 +242,8 @@ async def _stream_one(client: StreamingClient, request: bytes, wire: WireProtoco
     if times:
         out.ttft_s = times[0] - st
     if len(times) > 1:
-        # Several tokens in one chunk (speculative decoding, stream_interval>1): spread the
-        # gap over them, as SGLang's bench_serving does.
+        # Several tokens in one arrival (speculative decoding, stream_interval>1, or several events in
+        # one read of a busy client): spread the gap over them, as SGLang's bench_serving does.
         n_new = np.diff(np.asarray(counts))
         out.itls_s = np.repeat(np.diff(np.asarray(times)) / n_new, n_new)
     out.output_tokens = stream.output_tokens

@@ -54,7 +54,11 @@ def test_serving_rows_and_summary(sim: SimServer, engine) -> None:
     assert (req["output_tokens"] == req["planned_output_tokens"]).all()
     for _, r in req.iterrows():
         n_out = r["output_tokens"]
-        assert len(r["itls_ms"]) == n_out - 1
+        # One ITL per token after the first read (events a busy client reads at once are one arrival,
+        # their gap spread over their tokens): never a zero gap, and together they span at most the decode.
+        itls = r["itls_ms"]
+        assert len(itls) <= n_out - 1 and all(x > 0 for x in itls)
+        assert sum(itls) <= r["e2e_latency_ms"] - r["ttft_ms"] + 1e-6
         assert r["tpot_ms"] == pytest.approx((r["e2e_latency_ms"] - r["ttft_ms"]) / (n_out - 1))
         assert r["ttft_ms"] >= 10.0  # the sim's prefill delay
     s = summary.iloc[0]
@@ -123,7 +127,8 @@ def test_openai_without_continuous_usage_counts_chunks(sim: SimServer) -> None:
     res = run_serving(sim.base_url, VLLMEngine(), _cfg(num_prompts=4))
     req = res.requests
     assert (req["output_tokens"] == req["planned_output_tokens"]).all()  # from the final usage chunk
-    assert all(len(r["itls_ms"]) == r["output_tokens"] - 1 for _, r in req.iterrows())
+    for _, r in req.iterrows():
+        assert len(r["itls_ms"]) <= r["output_tokens"] - 1 and all(x > 0 for x in r["itls_ms"])
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=["native", "openai"])

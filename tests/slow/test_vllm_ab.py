@@ -115,8 +115,9 @@ class GateRun:
         rounds = self.tables.get("paired_rounds")
         shown = "" if rounds is None else rounds[rounds["metric"].isin(["ttft_median_ms", "e2e_median_ms"])][
             ["round", "order", "metric", "a_value", "b_value", "ratio", "ci_low", "ci_high", "decision"]].to_string()
+        breaches = json.dumps(self.verdict.get("breaches"), indent=1, default=str)
         return (f"exit {self.proc.returncode}, verdict {self.verdict.get('status')}: {self.verdict.get('reason')}, "
-                f"{self.wall_s:.0f} s\nstages: {json.dumps(stages, indent=1)}\nrounds:\n{shown}\n"
+                f"{self.wall_s:.0f} s\nbreaches: {breaches}\nstages: {json.dumps(stages, indent=1)}\nrounds:\n{shown}\n"
                 f"stderr tail:\n{self.proc.stderr[-3000:]}")
 
     def end_leftovers(self) -> None:

@@ -152,7 +152,7 @@ def test_openai_token_stream_grouped_tokens_without_per_chunk_usage() -> None:
     stream.feed(_openai_chunk("ab", None) + _openai_chunk("cd", None), 1.0)
     stream.feed(_sse({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 4}}) + b"data: [DONE]\n\n",
                 2.0)
-    assert stream.counts == [1, 2] and stream.output_tokens == 4 and stream.count_error(4) is None
+    assert stream.counts == [2] and stream.output_tokens == 4 and stream.count_error(4) is None
     assert stream.final_prompt_tokens() == 4
 
 
@@ -164,7 +164,7 @@ def test_native_token_stream_reads_counts_and_holds_them_to_the_ids() -> None:
     stream = NATIVE.token_stream()
     stream.feed(chunk(1) + chunk(3), 1.0)  # two tokens in the second chunk
     assert stream.feed(chunk(4) + b"data: [DONE]\n\n", 2.0)
-    assert stream.counts == [1, 3, 4] and stream.output_tokens == 4
+    assert stream.counts == [3, 4] and stream.output_tokens == 4  # one arrival per read
     assert stream.final_prompt_tokens() == 7 and stream.count_error(4) is None
     liar = NATIVE.token_stream()
     liar.feed(chunk(1) + chunk(2) + chunk(3, claimed=30) + b"data: [DONE]\n\n", 1.0)
@@ -293,7 +293,7 @@ def test_openai_text_stream_ends_at_the_finish_chunk_with_usage() -> None:
     assert not stream.feed(_transformers_chunk(" c"), 2.0)
     assert stream.feed(_transformers_finish(3), 3.0)  # no [DONE] follows: the finish chunk ends it
     assert stream.done and stream.end_ts == 3.0
-    assert stream.counts == [1, 2, 3] and stream.times == [1.0, 1.0, 2.0]
+    assert stream.counts == [2, 3] and stream.times == [1.0, 2.0]  # one arrival per read
     assert stream.output_tokens == 3 and stream.final_prompt_tokens() == 9
     # Without ignore_eos the output is *up to* max_tokens: fewer is a measurement, more a lie.
     assert stream.count_error(16) is None and stream.count_error(3) is None

@@ -190,9 +190,13 @@ class NativeTokenStream(TokenStream):
                 self.ids.chunk(new_count, native_output_id_count(payload))
             self.last_payload = payload
             if new_count > count:
-                self.times.append(ts)
-                self.counts.append(new_count)
                 count = new_count
+        if count > self.count:
+            # One arrival per read, however many events it held: they came at the same instant as far
+            # as the client can tell, so the gap since the previous read is spread over all their
+            # tokens (ITL), never a run of zero gaps (a busy client reads several events at once).
+            self.times.append(ts)
+            self.counts.append(count)
         self.count = count
         return self.done
 

@@ -168,9 +168,13 @@ class OpenAITokenStream(TokenStream):
             else:
                 new_count = self._decoded(payload, count)
             if new_count > count:
-                self.times.append(ts)
-                self.counts.append(new_count)
                 count = new_count
+        if count > self.count:
+            # One arrival per read, however many events it held: they came at the same instant as far
+            # as the client can tell, so the gap since the previous read is spread over all their
+            # tokens (ITL), never a run of zero gaps (a busy client reads several events at once).
+            self.times.append(ts)
+            self.counts.append(count)
         self.count = count
         return self.done
 
