@@ -7,7 +7,8 @@ never only the first):
    a stage with status ``failed``, an expectation that could not be evaluated on a table
    that was produced (empty table, missing column, GX error), or a failed expectation whose
    ``meta.failure_means`` is ``insufficient_data`` (too little history for a gated comparison)
-   or ``invalid_measurement`` (the load generator fell behind its schedule). Breaches found in
+   or ``invalid_measurement`` (the load generator fell behind its schedule, a paired round without
+   a log ratio). Breaches found in
    the same run are still listed, but they are not reported as a regression: data from a run
    whose infrastructure broke is not trusted (design: "Infra failures are inconclusive, never
    pass, and never reported as a regression").

@@ -133,6 +133,31 @@ def test_every_comparing_profile_keeps_an_undecided_gated_metric_from_passing(pr
     assert verdict.infra_errors == [] and [e.split(":")[0] for e in verdict.undecided] == ["undecided"]
 
 
+def paired_rounds_table(a_values: list[float]) -> pd.DataFrame:
+    b = [2.0 * v for v in a_values]
+    return pd.DataFrame({"round": range(1, len(a_values) + 1), "metric": "itl_median_ms", "a_value": a_values,
+                         "b_value": b, "log_ratio": [math.log(y / x) if x > 0 else math.nan
+                                                     for x, y in zip(a_values, b)]})
+
+
+@pytest.mark.parametrize("profile", [p for p in available_profiles()
+                                     if "paired_rounds" in load_suites(load_config(profile=p)
+                                                                       .validate_.expectation_profile)])
+def test_a_paired_round_without_a_log_ratio_is_an_invalid_measurement_never_a_regression(profile):
+    # A block median of 0 (a client that timed events wrongly) or NaN has no log ratio: the round measured
+    # nothing an interval can use. That is a broken measurement (inconclusive, exit 2), not a regression.
+    suite = load_config(profile=profile).validate_.expectation_profile
+    ok = decide_verdict([o for o in validate_tables({"paired_rounds": paired_rounds_table([40.0, 41.0, 39.0])}, suite)
+                         if o.table == "paired_rounds"], [])
+    assert (ok.status, ok.breaches, ok.infra_errors) == ("pass", [], [])
+    for broken in (0.0, math.nan):
+        outcomes = [o for o in validate_tables({"paired_rounds": paired_rounds_table([40.0, broken, 39.0])}, suite)
+                    if o.table == "paired_rounds"]
+        verdict = decide_verdict(outcomes, [])
+        assert (verdict.status, verdict.exit_code, verdict.breaches) == ("inconclusive", 2, []), verdict
+        assert any(e.startswith("invalid measurement: paired_rounds.log_ratio") for e in verdict.infra_errors)
+
+
 def write_suite(directory: Path, profile: str, suites: dict) -> Path:
     path = directory / f"{profile}.json"
     path.write_text(json.dumps({"profile": profile, "description": "test", "suites": suites}))
