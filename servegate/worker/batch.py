@@ -2,8 +2,13 @@
 
 Owns the tensors of continuous batching and nothing about who gets in:
 
-* :meth:`Batch.prefill` runs one new request alone (reusing the longest cached prompt
-  prefix), computes its input log-probs when asked, and samples its first token;
+* :meth:`Batch.prefill` runs newly admitted requests, as SGLang's chunked prefill does: one
+  request alone reuses the longest cached prompt prefix and runs the rest in chunks of at most
+  ``chunk_tokens`` tokens (one forward pass each, so a long prompt never needs its whole
+  attention and logits at once); several requests run together in one left-padded forward pass
+  without prefix reuse. Either way the input log-probs are recorded chunk by chunk
+  (:func:`start_input_logprobs`, :func:`record_input_logprobs`, the only code that fills them)
+  and the first token is sampled;
 * :meth:`Batch.merge` joins prefilled requests to the batch by left-padding whichever side is
   shorter; padded columns are masked out by a per-row attention mask, and every row carries its
   own ``position_ids`` so that padding never shifts RoPE positions;
@@ -29,7 +34,7 @@ from servegate.worker.metrics import now
 from servegate.worker.request import KV, Request
 from servegate.worker.sampling import Sampler, top_logprobs
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "start_input_logprobs", "record_input_logprobs"]
 
 
 def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -38,6 +43,38 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = n
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _wants_input_logprobs(req: Request) -> bool:
+    """Whether ``req`` asks for prompt log-probs (``return_logprob`` with a start inside the prompt)."""
+    return req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids)
+
+
+def start_input_logprobs(req: Request) -> None:
+    """Reset ``req``'s prompt log-probs to SGLang's first entry: ``None`` whatever ``logprob_start_len`` is."""
+    req.input_token_logprobs = [(None, req.input_ids[req.logprob_start_len])]
+    req.input_top_logprobs = [None] if req.top_logprobs_num > 0 else []
+
+
+def record_input_logprobs(req: Request, lp: torch.Tensor, first_pos: int) -> None:
+    """Append the prompt log-probs that log-softmax rows ``lp`` hold, in prompt order.
+
+    Row ``j`` is the distribution after prompt position ``first_pos + j`` (``first_pos`` may be
+    negative for rows of left padding); it scores ``input_ids[first_pos + j + 1]``, which SGLang
+    reports from position ``logprob_start_len`` on. Called once per forward pass, in order, after
+    :func:`start_input_logprobs`, so that a chunked prefill reports what one pass over the prompt would.
+    """
+    ids = req.input_ids
+    lo = max(first_pos, req.logprob_start_len)
+    hi = min(first_pos + lp.shape[0], len(ids) - 1)
+    if hi <= lo:
+        return
+    rows = lp[lo - first_pos:hi - first_pos]
+    targets = ids[lo + 1:hi + 1]
+    values = rows.gather(1, torch.tensor(targets, dtype=torch.long)[:, None]).squeeze(1).tolist()
+    req.input_token_logprobs.extend(zip(values, targets))
+    if req.top_logprobs_num > 0:
+        req.input_top_logprobs.extend(top_logprobs(row, req.top_logprobs_num) for row in rows)
 
 
 class Batch:
@@ -70,17 +107,26 @@ class Batch:
         self._last = torch.zeros(0, dtype=torch.long)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, req: Request, prefix_cache: PrefixCache | None) -> tuple[KV, int]:
-        """Run ``req``'s prompt alone, reusing the longest prefix ``prefix_cache`` holds (None: no reuse).
+    def prefill(self, reqs: list[Request], prefix_cache: PrefixCache | None,
+                chunk_tokens: int) -> list[tuple[KV, int]]:
+        """Prefill ``reqs``: one request alone, chunked and reusing the prefix cache, or several in one pass.
 
-        Returns the prompt's KV and the first sampled token (-1 when ``max_new_tokens`` is 0).
-        Sets ``req.cached_tokens`` and, when asked, its input and first output log-probs.
+        Several requests go through one left-padded forward pass without prefix reuse; the
+        scheduler groups only requests whose padded batch fits ``chunk_tokens``. Returns, per
+        request, its prompt KV and its first sampled token (-1 when ``max_new_tokens`` is 0), and
+        sets ``cached_tokens`` and, when asked, the input and first output log-probs.
         """
+        if len(reqs) == 1:
+            return [self._prefill_one(reqs[0], prefix_cache, chunk_tokens)]
+        return self._prefill_together(reqs)
+
+    def _prefill_one(self, req: Request, prefix_cache: PrefixCache | None, chunk_tokens: int) -> tuple[KV, int]:
+        """One request: reuse the longest cached prefix, run the rest in forward passes of at most ``chunk_tokens``."""
         ids = req.input_ids
         n = len(ids)
-        # Prompt log-probs need logits for every prompt token, and reused tokens produce none.
-        want_input_lp = req.return_logprob and 0 <= req.logprob_start_len < n
+        want_input_lp = _wants_input_logprobs(req)
         reuse, stored = 0, None
+        # Prompt log-probs need logits for every scored token, and reused tokens produce none.
         if prefix_cache is not None and not want_input_lp:
             reuse, stored = prefix_cache.lookup(ids)
             reuse = min(reuse, n - 1)  # at least one token must run to produce logits
@@ -89,28 +135,71 @@ class Batch:
             for layer, (k, v) in zip(cache.layers, stored):
                 layer.update(k[:, :, :reuse], v[:, :, :reuse])
         req.cached_tokens = reuse
-        rest = torch.tensor([ids[reuse:]], dtype=torch.long)
-        positions = torch.arange(reuse, n, dtype=torch.long)[None, :]
-        out = self.model(input_ids=rest, position_ids=positions, past_key_values=cache, use_cache=True,
-                         logits_to_keep=0 if want_input_lp else 1)
-        logits = self.sampler.process(out.logits[0])
         if want_input_lp:
-            lp = torch.log_softmax(logits, dim=-1)
-            targets = torch.tensor(ids[1:], dtype=torch.long)
-            token_lp = lp[:-1].gather(1, targets[:, None]).squeeze(1).tolist() if n > 1 else []
-            # SGLang's shape: entry 0 is None whatever logprob_start_len is; entry i is
-            # log P(ids[start + i] | ids[:start + i]).
-            start = req.logprob_start_len
-            full: list[tuple[float | None, int]] = [(None, ids[0])] + list(zip(token_lp, ids[1:]))
-            req.input_token_logprobs = [(None, ids[start])] + full[start + 1:]
-            if req.top_logprobs_num > 0:
-                req.input_top_logprobs = [None] + [top_logprobs(lp[i - 1], req.top_logprobs_num)
-                                                   for i in range(start + 1, n)]
-        last = logits[-1:]
-        first = int(self.sampler.sample(last, [req.params])[0]) if req.params.max_new_tokens > 0 else -1
-        if req.return_logprob and first >= 0:
-            req.record_output_logprobs(torch.log_softmax(last[0], dim=-1), first)
+            start_input_logprobs(req)
+        logits = None
+        for begin in range(reuse, n, chunk_tokens):
+            end = min(begin + chunk_tokens, n)
+            # Logits only for the rows that are scored (and the last one, which samples the first token).
+            keep = max(1, end - max(begin, req.logprob_start_len)) if want_input_lp else 1
+            out = self.model(input_ids=torch.tensor([ids[begin:end]], dtype=torch.long),
+                             position_ids=torch.arange(begin, end, dtype=torch.long)[None, :],
+                             past_key_values=cache, use_cache=True, logits_to_keep=keep)
+            logits = self.sampler.process(out.logits[0])
+            if want_input_lp:
+                record_input_logprobs(req, torch.log_softmax(logits, dim=-1), end - keep)
+        assert logits is not None  # reuse <= n - 1: at least one chunk ran
+        first = self._first_token([req], logits[-1:])[0]
         return [(layer.keys, layer.values) for layer in cache.layers], first
+
+    def _prefill_together(self, reqs: list[Request]) -> list[tuple[KV, int]]:
+        """Several requests in one left-padded forward pass, none reusing the prefix cache.
+
+        Padded columns are masked out and every row's positions start at 0 at its first real
+        token, so each row's logits and KV are the ones a prefill alone gives (to float rounding);
+        each request then gets its own unpadded copy of its KV rows, and decodes as if prefilled alone.
+        """
+        lengths = [len(r.input_ids) for r in reqs]
+        width = max(lengths)
+        pads = [width - n for n in lengths]
+        input_ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long)
+        positions = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, (req, pad) in enumerate(zip(reqs, pads)):
+            input_ids[i, pad:] = torch.tensor(req.input_ids, dtype=torch.long)
+            mask[i, pad:] = 1
+            positions[i, pad:] = torch.arange(lengths[i], dtype=torch.long)
+            req.cached_tokens = 0
+        wanting = [i for i, r in enumerate(reqs) if _wants_input_logprobs(r)]
+        # Columns from the leftmost scored one on (the last column samples every first token).
+        first_col = min([pads[i] + reqs[i].logprob_start_len for i in wanting] + [width - 1])
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=width - first_col)
+        logits = self.sampler.process(out.logits)
+        for i in wanting:
+            req = reqs[i]
+            col = max(first_col, pads[i] + req.logprob_start_len)
+            start_input_logprobs(req)
+            record_input_logprobs(req, torch.log_softmax(logits[i, col - first_col:], dim=-1), col - pads[i])
+        firsts = self._first_token(reqs, logits[:, -1, :])
+        # A copy per request: a view would keep the whole padded batch alive in the prefix cache.
+        return [([(layer.keys[i:i + 1, :, pad:].clone(), layer.values[i:i + 1, :, pad:].clone())
+                  for layer in cache.layers], first) for i, (pad, first) in enumerate(zip(pads, firsts))]
+
+    def _first_token(self, reqs: list[Request], last_logits: torch.Tensor) -> list[int]:
+        """Sample each request's first output token from its prompt's last logits row (processed, ``[B, V]``).
+
+        -1 for a request with ``max_new_tokens`` 0; records the token's log-prob when asked.
+        """
+        tokens = self.sampler.sample(last_logits, [r.params for r in reqs]).tolist()
+        firsts = [int(t) if r.params.max_new_tokens > 0 else -1 for r, t in zip(reqs, tokens)]
+        if any(r.return_logprob for r in reqs):
+            lp = torch.log_softmax(last_logits, dim=-1)
+            for i, (req, first) in enumerate(zip(reqs, firsts)):
+                if req.return_logprob and first >= 0:
+                    req.record_output_logprobs(lp[i], first)
+        return firsts
 
     def merge(self, joined: list[tuple[Request, KV, int]]) -> None:
         """Left-pad the batch and the new rows (request, prompt KV, first token) to one length and concatenate them."""

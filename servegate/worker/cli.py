@@ -29,13 +29,15 @@ from servegate.errors import ConfigError, ServegateError
 from servegate.worker.faults import add_fault_arguments, faults_from_args
 
 __all__ = ["add_arguments", "run", "main", "DEFAULT_MEM_FRACTION_STATIC", "DEFAULT_MAX_RUNNING_REQUESTS",
-           "API_KEY_ENV"]
+           "DEFAULT_CHUNKED_PREFILL_SIZE", "API_KEY_ENV"]
 
 log = logging.getLogger("servegate.worker")
 
 DEFAULT_MEM_FRACTION_STATIC = 0.4
 """Share of available RAM (weights + KV) when neither budget flag is given."""
 DEFAULT_MAX_RUNNING_REQUESTS = 32
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048
+"""SGLang's default ``--chunked-prefill-size`` (``SchedulerConfig.chunked_prefill_size``)."""
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 API_KEY_ENV = "SERVEGATE_API_KEY"
 """The worker's API key by environment (how servegate launches it); ``--api-key`` wins when given."""
@@ -55,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"share of available RAM for weights + KV cache (default {DEFAULT_MEM_FRACTION_STATIC} "
                              f"when --max-total-tokens is not given)")
     parser.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS, metavar="N")
+    parser.add_argument("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE, metavar="N",
+                        help=f"most prompt tokens per prefill forward pass, padding included (default "
+                             f"{DEFAULT_CHUNKED_PREFILL_SIZE}): longer prompts are prefilled in chunks, and requests "
+                             f"admitted together are prefilled in one pass while their padded batch fits")
     parser.add_argument("--context-length", type=int, default=None, metavar="N",
                         help="longest prompt + output (default: the model's max_position_embeddings)")
     parser.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on /metrics")
@@ -139,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
                           "decoding there are no drafts to ruin")
     if args.max_running_requests < 1:
         raise ConfigError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.chunked_prefill_size < 1:
+        raise ConfigError(f"--chunked-prefill-size must be >= 1 (tokens per prefill forward pass), got "
+                          f"{args.chunked_prefill_size}; give a positive number such as the default "
+                          f"{DEFAULT_CHUNKED_PREFILL_SIZE}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
         raise ConfigError(f"--mem-fraction-static must be within (0, 1], got {args.mem_fraction_static}")
 
@@ -210,6 +220,7 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
             context_length=context_length, decode_log_interval=args.decode_log_interval,
             speculative_num_draft_tokens=args.speculative_num_draft_tokens if args.speculative_algorithm else None,
             enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
+            chunked_prefill_size=args.chunked_prefill_size,
         ), metrics=state.metrics, faults=state.faults)
         if state.faults.crash_after_requests is not None:
             install_crash_fault(scheduler, state.faults.crash_after_requests)

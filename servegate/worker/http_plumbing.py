@@ -132,10 +132,8 @@ class RequestPlumbing:
         """Check every request is admissible, then submit them all; the waiter wakes on their tokens."""
         waiter = _Waiter()
         for req in reqs:
-            scheduler.check_admissible(req.input_ids, req.params)
-        for req in reqs:
             req.notify = waiter.notify
-            scheduler.submit(req)
+        scheduler.submit_batch(reqs)
         return waiter
 
     @staticmethod

@@ -11,6 +11,10 @@ budget and the prefix cache in :mod:`servegate.worker.kv_budget`.
 * Requests join and leave the running batch at token granularity: each loop turn prefills the
   newly admitted requests and merges them into the batch, then runs one decode step; finished
   rows leave the batch right after the step that finished them.
+* Prefill, as SGLang's: the admitted requests are prefilled in groups, in FIFO order
+  (:meth:`Scheduler._next_prefill_group`). A request that reuses the prefix cache, or whose prompt
+  is longer than ``chunked_prefill_size``, goes alone (chunked); otherwise the requests behind it
+  join it in one forward pass while the padded batch fits ``chunked_prefill_size``.
 * Each token is checked against the request's stop conditions here, and the request metrics
   (TTFT, ITL, E2E, token counters), the decode-window gauges (forward occupancy, generation
   throughput) and the fault switches that act on timing are applied here.
@@ -39,12 +43,12 @@ from typing import Any
 import torch
 
 from servegate.errors import ConfigError
-from servegate.worker.batch import Batch
+from servegate.worker.batch import Batch, _wants_input_logprobs, record_input_logprobs, start_input_logprobs
 from servegate.worker.faults import FaultConfig
 from servegate.worker.kv_budget import PrefixCache, TokenBudget
 from servegate.worker.metrics import OccupancyWindow, ThroughputWindow, WorkerMetrics, now
 from servegate.worker.request import KV, Request
-from servegate.worker.sampling import Sampler, SamplingParams, top_logprobs
+from servegate.worker.sampling import Sampler, SamplingParams
 
 __all__ = ["SchedulerConfig", "Scheduler", "STEP_ERROR_PREFIX"]
 
@@ -54,6 +58,13 @@ STEP_ERROR_PREFIX = "engine error"
 """Start of the abort message of requests failed by a broken step; the server answers them with 500.
 The wording is part of the HTTP surface (clients read it in ``finish_reason.message``), so it
 keeps the name it had before the scheduler was renamed."""
+
+_SHARED_PREFIX_MIN = 32
+"""Shared prompt prefix (tokens) from which a request is worth a prefix-cache hit rather than a batched prefill.
+
+As SGLang's in-batch prefix check: a request sharing this much with one already in the prefill
+group waits for the next group and reuses that one's cached KV; a cached prefix shorter than this
+(a BOS or a chat header) does not keep a request out of a batch."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,19 @@ class SchedulerConfig:
     """NGRAM speculative decoding when set (requests then run one at a time)."""
     enable_prefix_cache: bool = True
     seed: int = 0
+    chunked_prefill_size: int = 2048
+    """Most prompt tokens per prefill forward pass, padding included (SGLang's ``--chunked-prefill-size``):
+    a longer prompt is prefilled in chunks of this size, and requests admitted together are
+    prefilled in one pass while their padded batch fits it."""
+
+
+def _shared_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class _TimedModel:
@@ -192,14 +216,20 @@ class Scheduler:
 
     def submit(self, req: Request) -> Request:
         """Queue a request (FIFO); ``ConfigError`` when it can never fit."""
-        self.check_admissible(req.input_ids, req.params)
+        self.submit_batch([req])
+        return req
+
+    def submit_batch(self, reqs: list[Request]) -> None:
+        """Queue requests that arrived together (one HTTP batch) in one go, so that one admission takes them
+        all and they are prefilled together; ``ConfigError`` (nothing queued) when one can never fit."""
+        for req in reqs:
+            self.check_admissible(req.input_ids, req.params)
         with self._cv:
             if self._stopping:
                 raise ConfigError("the worker is shutting down; send the request to another worker")
-            self._waiting.append(req)
-            self._num_active += 1
+            self._waiting.extend(reqs)
+            self._num_active += len(reqs)
             self._cv.notify_all()
-        return req
 
     def abort(self, req: Request) -> None:
         """Ask the scheduler to stop a request (client went away); it finishes with type 'abort'."""
@@ -359,30 +389,65 @@ class Scheduler:
         joined: list[tuple[Request, KV, int]] = []
         prompt_total = cached_total = 0
         prefix_cache = self.prefix_cache if self.config.enable_prefix_cache else None
-        for req in admitted:
-            kv, first = self.batch.prefill(req, prefix_cache)
-            if prefix_cache is not None:
+        pending = deque(admitted)
+        while pending:
+            group = self._next_prefill_group(pending)
+            results = self.batch.prefill(group, prefix_cache, self.config.chunked_prefill_size)
+            for req, (kv, first) in zip(group, results):
+                if prefix_cache is not None:
+                    with self._cv:
+                        # Store only what the budget can hold next to the running reservations.
+                        if self.budget.make_room(req.prompt_tokens):
+                            prefix_cache.insert(req.input_ids, kv)
+                prompt_total += req.prompt_tokens
+                cached_total += req.cached_tokens
                 with self._cv:
-                    # Store only what the budget can hold next to the running reservations.
-                    if self.budget.make_room(req.prompt_tokens):
-                        prefix_cache.insert(req.input_ids, kv)
-            prompt_total += req.prompt_tokens
-            cached_total += req.cached_tokens
-            with self._cv:
-                if req.params.max_new_tokens == 0:
-                    self._finish_locked(req, {"type": "length", "length": 0})
-                    continue
-                reason = self._accept_token(req, first, now())
-                if reason is not None:
-                    self._finish_locked(req, reason)
-                else:
-                    joined.append((req, kv, first))
-                if req.notify is not None and not req.finished:
-                    req.notify()
+                    if req.params.max_new_tokens == 0:
+                        self._finish_locked(req, {"type": "length", "length": 0})
+                        continue
+                    reason = self._accept_token(req, first, now())
+                    if reason is not None:
+                        self._finish_locked(req, reason)
+                    else:
+                        joined.append((req, kv, first))
+                    if req.notify is not None and not req.finished:
+                        req.notify()
         if prompt_total:
             self.metrics.set_cache_hit_rate(cached_total / prompt_total)
         if joined:
             self.batch.merge(joined)
+
+    def _next_prefill_group(self, pending: deque[Request]) -> list[Request]:
+        """Take the next requests to prefill together from the front of ``pending`` (FIFO: none is skipped).
+
+        The head goes alone when its prompt needs chunks or it reuses the prefix cache; the
+        requests behind it join while the padded batch (longest prompt x requests) fits
+        ``chunked_prefill_size``, until one reuses the cache or shares a long prefix with a request
+        already in the group (it then heads a later group and reuses that request's cached KV).
+        """
+        head = pending.popleft()
+        group = [head]
+        chunk = self.config.chunked_prefill_size
+        if len(head.input_ids) > chunk or self._reuses_prefix_cache(head):
+            return group
+        width = len(head.input_ids)
+        while pending:
+            req = pending[0]
+            if max(width, len(req.input_ids)) * (len(group) + 1) > chunk or self._reuses_prefix_cache(req):
+                break
+            if self._can_reuse_prefix_cache(req) and any(
+                    _shared_prefix_len(req.input_ids, other.input_ids) >= _SHARED_PREFIX_MIN for other in group):
+                break
+            group.append(pending.popleft())
+            width = max(width, len(req.input_ids))
+        return group
+
+    def _can_reuse_prefix_cache(self, req: Request) -> bool:
+        # Prompt log-probs need logits for every scored token, so such a request never reuses the cache.
+        return self.config.enable_prefix_cache and not _wants_input_logprobs(req)
+
+    def _reuses_prefix_cache(self, req: Request) -> bool:
+        return self._can_reuse_prefix_cache(req) and self.prefix_cache.lookup(req.input_ids)[0] >= _SHARED_PREFIX_MIN
 
     def _decode_step(self) -> None:
         step_start = now()
@@ -429,20 +494,11 @@ class Scheduler:
         ids = [*req.input_ids, *req.output_ids]
         n = len(req.input_ids)
         logits = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.model.device),
-                            use_cache=False).logits[0].float()
-        if self.faults.corrupt_logits:
-            logits = torch.roll(logits, shifts=1, dims=-1)
-        lp = torch.log_softmax(logits, dim=-1)
-        start = req.logprob_start_len
-        if 0 <= start < n:
-            prompt = req.input_ids
-            targets = torch.tensor(prompt[1:], dtype=torch.long)
-            token_lp = lp[:n - 1].gather(1, targets[:, None]).squeeze(1).tolist() if n > 1 else []
-            full: list[tuple[float | None, int]] = [(None, prompt[0])] + list(zip(token_lp, prompt[1:]))
-            req.input_token_logprobs = [(None, prompt[start])] + full[start + 1:]
-            if req.top_logprobs_num > 0:
-                req.input_top_logprobs = [None] + [top_logprobs(lp[i - 1], req.top_logprobs_num)
-                                                   for i in range(start + 1, n)]
+                            use_cache=False).logits[0]
+        lp = torch.log_softmax(self.batch.sampler.process(logits.cpu()), dim=-1)
+        if _wants_input_logprobs(req):
+            start_input_logprobs(req)
+            record_input_logprobs(req, lp, 0)
         for i, token in enumerate(req.output_ids):
             req.record_output_logprobs(lp[n - 1 + i], token)
 

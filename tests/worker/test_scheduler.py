@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from servegate.worker.logprobs import input_token_logprobs
 from servegate.worker.metrics import WorkerMetrics
 from servegate.worker.request import Request
 from servegate.worker.sampling import SamplingParams
@@ -35,12 +36,58 @@ def model():
     return LlamaForCausalLM(config).eval()
 
 
+class CountingModel:
+    """The model, recording the ``input_ids`` shape of every forward pass (prefill: ``(rows, tokens)``)."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.shapes: list[tuple[int, int]] = []
+
+    def __call__(self, *, input_ids, **kwargs):
+        self.shapes.append(tuple(input_ids.shape))
+        return self._model(input_ids=input_ids, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        # Decode passes feed one token per row; every prompt in these tests is longer than one token.
+        return [s for s in self.shapes if s[1] > 1]
+
+
 def _scheduler(model, **overrides) -> Scheduler:
     config = {"max_total_tokens": 2000, "max_running_requests": 8, "context_length": 256, "decode_log_interval": 4,
               **overrides}
     scheduler = Scheduler(model, TOKENIZER, SchedulerConfig(**config), metrics=WorkerMetrics("m", enabled=True))
     scheduler.start()
     return scheduler
+
+
+def _submitted_together(model, reqs: list[Request], **overrides) -> None:
+    """Run ``reqs`` arriving at once, as one HTTP batch does: queued in one go, so one admission takes them all."""
+    scheduler = _scheduler(model, **overrides)
+    try:
+        scheduler.submit_batch(reqs)
+        _wait(reqs)
+    finally:
+        scheduler.stop()
+
+
+def _solo(model, reqs: list[Request], **overrides) -> None:
+    """Run ``reqs`` one after the other on one scheduler, each prefilled alone."""
+    scheduler = _scheduler(model, **overrides)
+    try:
+        for req in reqs:
+            _wait([scheduler.submit(req)])
+    finally:
+        scheduler.stop()
+
+
+def _assert_same_logprobs(got: list, want: list) -> None:
+    assert [t for _, t in got] == [t for _, t in want]
+    assert [lp is None for lp, _ in got] == [lp is None for lp, _ in want]
+    assert [lp for lp, _ in got if lp is not None] == pytest.approx([lp for lp, _ in want if lp is not None],
+                                                                    abs=1e-4)
 
 
 def _wait(reqs: list[Request], timeout_s: float = 60.0) -> None:
@@ -109,4 +156,84 @@ def test_admission_is_fifo_within_the_budget(model) -> None:
     finally:
         scheduler.stop()
     assert big[0].finish_time < big[1].first_token_time  # 40 + 40 > 60: the second big one waited
-    assert small.first_token_time > big[1].first_token_time  # and the small one waited behind it
+    # and the small one waited behind it. >=, not >: admitted in the same turn as big[1], it is now
+    # prefilled in the same forward pass, and its first token is taken right after big[1]'s (microseconds).
+    assert small.first_token_time >= big[1].first_token_time
+
+
+def _logprob_request(i: int, max_new: int) -> Request:
+    req = _request(i, max_new)
+    req.return_logprob = True
+    req.logprob_start_len = 3 * i  # 0, 3, 6, 9 for prompts of 4, 9, 14, 19 tokens
+    req.top_logprobs_num = 3 if i % 2 else 0
+    return req
+
+
+def test_requests_arriving_together_are_prefilled_in_one_pass(model) -> None:
+    """Four requests admitted together: one left-padded forward pass, and each gets what a prefill alone gives."""
+    solo = [_logprob_request(i, 6) for i in range(4)]
+    _solo(model, solo, enable_prefix_cache=False)
+    counting = CountingModel(model)
+    together = [_logprob_request(i, 6) for i in range(4)]
+    _submitted_together(counting, together, enable_prefix_cache=False)
+    assert counting.prefill_shapes() == [(4, 19)]
+    for alone, batched in zip(solo, together):
+        assert batched.output_ids == alone.output_ids
+        _assert_same_logprobs(batched.output_token_logprobs, alone.output_token_logprobs)
+        _assert_same_logprobs(batched.input_token_logprobs, alone.input_token_logprobs)
+        assert len(batched.input_token_logprobs) == batched.prompt_tokens - batched.logprob_start_len
+        assert [[t for _, t in top] if top else None for top in batched.input_top_logprobs] == \
+            [[t for _, t in top] if top else None for top in alone.input_top_logprobs]
+    assert len({tuple(r.output_ids) for r in together}) == 4  # the rows are told apart: the check has teeth
+
+
+def test_a_long_prompt_is_prefilled_in_chunks(model) -> None:
+    """40 tokens at --chunked-prefill-size 16: passes of 16, 16 and 8 tokens, the same tokens and log-probs as one."""
+    def request() -> Request:
+        req = Request([10 + (11 * j) % 400 for j in range(40)],
+                      SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+                      return_logprob=True, logprob_start_len=5, top_logprobs_num=2)
+        return req
+
+    whole, chunked = request(), request()
+    _solo(model, [whole], enable_prefix_cache=False)
+    counting = CountingModel(model)
+    _solo(counting, [chunked], chunked_prefill_size=16)
+    assert counting.prefill_shapes() == [(1, 16), (1, 16), (1, 8)]
+    assert chunked.output_ids == whole.output_ids
+    _assert_same_logprobs(chunked.input_token_logprobs, whole.input_token_logprobs)
+    _assert_same_logprobs(chunked.output_token_logprobs, whole.output_token_logprobs)
+    # and both are the prompt's log-probs as the quality stage's in-process reference computes them
+    reference, _ = input_token_logprobs(model, chunked.input_ids, start_len=5)
+    _assert_same_logprobs(chunked.input_token_logprobs, [(lp, t) for lp, t, _ in reference])
+    assert [[t for _, t in top] for top in chunked.input_top_logprobs[1:]] == \
+        [[t for _, t in top] for top in whole.input_top_logprobs[1:]]
+
+
+def test_a_prefill_batch_is_bounded_by_the_chunk_size_with_padding(model) -> None:
+    """Prompts of 10, 10, 12 and 5 tokens at chunk 32: 10 + 10 + 12 = 32 tokens, but 3 x 12 = 36 once padded."""
+    lengths = [10, 10, 12, 5]
+    reqs = [Request([20 + 13 * i + j for j in range(n)], SamplingParams(max_new_tokens=3, temperature=0.0,
+                                                                       ignore_eos=True)) for i, n in enumerate(lengths)]
+    counting = CountingModel(model)
+    _submitted_together(counting, reqs, chunked_prefill_size=32, enable_prefix_cache=False)
+    assert counting.prefill_shapes() == [(2, 10), (2, 12)]
+    assert all(len(r.output_ids) == 3 for r in reqs)
+    # FIFO as far as batching allows: a later group's first tokens never come before an earlier group's
+    times = [r.first_token_time for r in reqs]
+    assert times == sorted(times)
+
+
+def test_a_request_sharing_a_prefix_waits_and_reuses_the_cache(model) -> None:
+    """A request sharing 40 tokens with one ahead of it is not batched with it: it goes next, reusing those 40."""
+    prefix = [30 + (17 * j) % 400 for j in range(40)]
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    first, second = Request(prefix, params), Request([*prefix, 5, 6, 7, 8, 9, 10, 11, 12], params)
+    cold = Request(list(second.input_ids), params)
+    _solo(model, [cold], enable_prefix_cache=False)
+    counting = CountingModel(model)
+    _submitted_together(counting, [first, second])
+    assert counting.prefill_shapes() == [(1, 40), (1, 8)]
+    assert first.cached_tokens == 0 and second.cached_tokens == 40
+    assert second.output_ids == cold.output_ids
+    assert first.first_token_time <= second.first_token_time

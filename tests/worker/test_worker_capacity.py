@@ -83,6 +83,15 @@ def test_budget_too_small_for_context_fails_start_up(tmp_path) -> None:
         worker.stop()
 
 
+def test_chunked_prefill_size_below_one_is_refused(tmp_path) -> None:
+    worker = WorkerProcess([*TINY_ARGS, "--chunked-prefill-size", "0"], None, tmp_path / "worker.log")
+    try:
+        assert worker.wait_exit(120) == 2
+        assert "--chunked-prefill-size must be >= 1" in worker.log_text() and "got 0" in worker.log_text()
+    finally:
+        worker.stop()
+
+
 def test_mem_fraction_budget_is_reported(start_worker) -> None:
     worker = start_worker(["--mem-fraction-static", "0.05"])
     info = requests.get(worker.url + "/get_server_info", timeout=10).json()
