@@ -1,15 +1,21 @@
-"""Many machines on Prefect, on one machine: a real server, two process workers, the nightly matrix.
+"""Many machines on Prefect, on one machine: a real server on PostgreSQL, two process workers, the nightly matrix.
 
-What a team runs, shrunk: ``prefect server start`` (SQLite) on loopback, the work pools,
-``prefect --no-prompt deploy --prefect-file deployments/prefect.yaml --all``, a global
-concurrency limit for the device slot, two ``prefect worker start --type process --limit 1``
-(the "machines"), then the nightly matrix flow fanning two gate deployments out with
-``run_deployment``. The gates use the embedded worker with the tiny random model: this tests
-Prefect fan-out, not measurement.
+What a team runs (docs/team.md), shrunk: ``prefect server start`` on loopback with its database on
+PostgreSQL (``PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...``, a database of its own in
+the session's throwaway cluster), the gates' history on PostgreSQL too (``SERVEGATE_DB=
+postgresql+psycopg://...``, another database), the work pools, ``prefect --no-prompt deploy
+--prefect-file deployments/prefect.yaml --all``, a global concurrency limit for the device slot, two
+``prefect worker start --type process --limit 1`` (the "machines"), then the nightly matrix flow
+fanning two gate deployments out with ``run_deployment``. The gates use the embedded worker with the
+tiny random model: this tests Prefect fan-out, not measurement. PostgreSQL only (the real deployment):
+the test is slow, and the SQLite history and ephemeral server are what every other gate test runs.
 
-Checked: each Prefect worker ran exactly one gate (its own log names the flow run it
-submitted), the two gates never held the shared device slot at once, and the aggregate
-verdict is right (one gate passes, one meets an impossible threshold: fail).
+Checked: each Prefect worker ran exactly one gate (its own log names the flow run it submitted), the
+two gates never held the shared device slot at once, the aggregate verdict is right (one gate passes,
+one meets an impossible threshold: fail), every process with PREFECT_API_URL set used the long-lived
+server (the flow runs are in its PostgreSQL database; no temporary server was started), both gate
+runs are recorded with their verdicts in the shared history database, and the PostgreSQL password
+(given in the environment only) appears in no log, run folder, Prefect home or database.
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ from pathlib import Path
 from uuid import uuid4
 
 import pandas as pd
+import psycopg
 import pytest
 import requests
 from prefect.client.schemas.objects import FlowRun
 from prefect.states import Cancelled, Completed, Crashed, Failed, Running
 
+from pgcluster import PostgresCluster
 from servegate.flows.nightly import aggregate, gate_outcome
+from servegate.history import Store
 from servegate.launch import free_port
 from servegate.proctree import terminate_tree
 
@@ -39,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
 POOLS = ("servegate-cpu", "servegate-h100", "servegate-control")
 SLOT = "shared-cpu"  # both "machines" here share two cores: one device slot
+TEMPORARY_SERVER = "Starting temporary server"  # what Prefect logs (INFO) when a process starts an ephemeral API
 
 TINY = ["worker.model=tiny-random", "warmup.num_requests=1", "warmup.max_new_tokens=4",
         "one_batch.batch_sizes=[1]", "one_batch.input_lens=[8]", "one_batch.output_lens=[4]",
@@ -48,20 +58,23 @@ TINY = ["worker.model=tiny-random", "warmup.num_requests=1", "warmup.max_new_tok
         "validate.expectation_profile=smoke"]
 
 
-def _env(tmp_path: Path, port: int) -> dict[str, str]:
+def _env(tmp_path: Path, port: int, prefect_db_url: str, history_db_url: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "PREFECT_HOME": str(tmp_path / "prefect-home"),
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        # Secrets in the environment only: the server's and the gates' database URLs carry the password.
+        "PREFECT_API_DATABASE_CONNECTION_URL": prefect_db_url,
+        "SERVEGATE_DB": history_db_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_LOGGING_LEVEL": "INFO",
-        # the workers' console shows their flow runs' INFO lines (the test reads who ran what there)
+        # the workers' console shows their flow runs' INFO lines (the test reads who ran what there, and
+        # that none of them started a temporary server)
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO",
         "HF_HUB_OFFLINE": "1",
         "SERVEGATE_REPO": str(REPO),
-        "SERVEGATE_DB": str(tmp_path / "history.db"),
     })
     env.pop("SERVEGATE_DEVICE_SLOT", None)
     return env
@@ -92,9 +105,13 @@ def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: floa
 
 
 @pytest.fixture
-def prefect_server(tmp_path: Path):
+def prefect_server(tmp_path: Path, pg_cluster: PostgresCluster):
+    """``prefect server start`` on its own PostgreSQL database; the gates' history in another one."""
+    suffix = uuid4().hex[:8]
+    prefect_db = pg_cluster.create_database(f"prefect_{suffix}")
+    history_db = pg_cluster.create_database(f"history_{suffix}")
     port = free_port()
-    env = _env(tmp_path, port)
+    env = _env(tmp_path, port, pg_cluster.url(prefect_db, driver="asyncpg"), pg_cluster.url(history_db))
     (tmp_path / "prefect-home").mkdir()
     procs: list[subprocess.Popen] = []
     log = tmp_path / "server.log"
@@ -102,7 +119,7 @@ def prefect_server(tmp_path: Path):
     procs.append(server)
     try:
         _wait_healthy(env["PREFECT_API_URL"], server, log)
-        yield env, procs
+        yield env, procs, {"prefect": prefect_db, "history": history_db}
     finally:
         for proc in reversed(procs):
             terminate_tree(proc.pid, timeout_s=15)
@@ -112,8 +129,8 @@ def prefect_server(tmp_path: Path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_nightly_matrix_on_two_process_workers(prefect_server, tmp_path: Path):
-    env, procs = prefect_server
+def test_nightly_matrix_on_two_process_workers(prefect_server, pg_cluster: PostgresCluster, tmp_path: Path):
+    env, procs, databases = prefect_server
     for pool in POOLS:
         _cli([*PREFECT, "work-pool", "create", pool, "--type", "process"], env)
     _cli([*PREFECT, "gcl", "create", f"device-{SLOT}", "--limit", "1"], env)
@@ -167,6 +184,37 @@ def test_nightly_matrix_on_two_process_workers(prefect_server, tmp_path: Path):
     for rid in run_ids:
         fr = requests.get(f"{api}/flow_runs/{rid}", timeout=10).json()
         assert fr["work_pool_name"] == "servegate-cpu" and fr["state_type"] == "COMPLETED", fr
+
+    # Every process with PREFECT_API_URL set used the long-lived server and started no temporary one:
+    # the matrix (started by hand, like `servegate run`) and both gates are flow runs in the server's
+    # own PostgreSQL database, and no process logged a temporary server (the matrix's and the
+    # workers' consoles show Prefect's INFO lines, the gates' included).
+    # (The deployed nightly schedules add SCHEDULED runs of their own: the one started by hand has no deployment.)
+    matrix_runs = [r for r in requests.post(f"{api}/flow_runs/filter", timeout=10,
+                                            json={"flows": {"name": {"any_": ["nightly-matrix"]}}}).json()
+                   if r["deployment_id"] is None]
+    assert [r["state_type"] for r in matrix_runs] == ["COMPLETED"], matrix_runs
+    ours = [*run_ids, matrix_runs[0]["id"]]
+    with psycopg.connect(pg_cluster.url(databases["prefect"]).replace("postgresql+psycopg", "postgresql"),
+                         connect_timeout=10) as conn:
+        in_db = dict(conn.execute("SELECT id::text, state_type::text FROM flow_run WHERE id::text = ANY(%s)",
+                                  (ours,)).fetchall())
+    assert in_db == dict.fromkeys(ours, "COMPLETED"), in_db
+    for where, text in [("matrix", matrix.stdout + matrix.stderr), *((m, p.read_text()) for m, p in logs.items())]:
+        assert TEMPORARY_SERVER not in text, f"{where} started a temporary Prefect server:\n{text[-3000:]}"
+
+    # Both gate runs are in the shared history database (PostgreSQL), with the verdicts the matrix got.
+    verdicts = {json.loads((Path(g["run_dir"]) / "manifest.json").read_text())["run_id"]: g["status"]
+                for g in result["gates"]}
+    with Store(env["SERVEGATE_DB"]) as store:
+        recorded = {r.run_id: r.status for r in store.runs()}
+    assert recorded == verdicts and sorted(verdicts.values()) == ["fail", "pass"], (recorded, verdicts)
+
+    # The PostgreSQL password reached no log, run folder, Prefect home or database row.
+    secret = pg_cluster.password
+    leaks = [str(p) for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    leaks += [f"database {db}" for db in databases.values() if secret in pg_cluster.dump(db)]
+    assert not leaks, f"the database password is in {leaks}"
 
     # The shared device slot: the second gate's folder appeared only after the first's serving ended.
     folders = sorted((Path(g["run_dir"]) for g in result["gates"]),
