@@ -76,27 +76,44 @@ def pg_cluster() -> Iterator[PostgresCluster]:
         cluster.stop()
 
 
-def _new_database(cluster: PostgresCluster, test_name: str) -> str:
-    """A fresh database named after the test (unique: numbered)."""
-    stem = re.sub(r"[^a-z0-9_]+", "_", test_name.lower())[:40].strip("_")
-    return cluster.create_database(f"t{next(_database_numbers)}_{stem}")
+class _TestDatabases:
+    """The fresh PostgreSQL databases of one test, named after it (numbered: unique), dropped after it
+    (the cluster stays small: each database is a copy of template1, ~7 MB)."""
+
+    def __init__(self, cluster: PostgresCluster, test_name: str) -> None:
+        self._cluster = cluster
+        self._stem = re.sub(r"[^a-z0-9_]+", "_", test_name.lower())[:40].strip("_")
+        self._names: list[str] = []
+
+    def new_url(self) -> str:
+        name = self._cluster.create_database(f"t{next(_database_numbers)}_{self._stem}")
+        self._names.append(name)
+        return self._cluster.url(name)
+
+    def drop(self) -> None:
+        for name in self._names:
+            self._cluster.drop_database(name)
 
 
 @pytest.fixture()
-def pg_url(pg_cluster: PostgresCluster, request: pytest.FixtureRequest) -> str:
+def pg_url(pg_cluster: PostgresCluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """The SQLAlchemy URL of a fresh, empty PostgreSQL database of its own for this test."""
-    return pg_cluster.url(_new_database(pg_cluster, request.node.name))
+    databases = _TestDatabases(pg_cluster, request.node.name)
+    yield databases.new_url()
+    databases.drop()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def new_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], str]:
+def new_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], str]]:
     """Makes URLs of new, empty history databases, all on one backend: a SQLite file under tmp_path,
     or a database of its own in the session's PostgreSQL cluster."""
     if request.param == "sqlite":
         files = itertools.count(1)
-        return lambda: f"sqlite:///{tmp_path / f'history-{next(files)}.db'}"
-    cluster: PostgresCluster = request.getfixturevalue("pg_cluster")
-    return lambda: cluster.url(_new_database(cluster, request.node.name))
+        yield lambda: f"sqlite:///{tmp_path / f'history-{next(files)}.db'}"
+        return
+    databases = _TestDatabases(request.getfixturevalue("pg_cluster"), request.node.name)
+    yield databases.new_url
+    databases.drop()
 
 
 @pytest.fixture()

@@ -26,10 +26,15 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from servegate.proctree import terminate_tree
+
+if TYPE_CHECKING:
+    import psycopg
 
 __all__ = ["PostgresCluster", "find_bin_dir", "running_cluster", "INSTALL_HINT"]
 
@@ -39,7 +44,7 @@ _BIN_DIRS = (Path("/usr/local/bin"), *sorted(Path("/usr/lib/postgresql").glob("*
 _TOOLS = ("initdb", "pg_ctl", "pg_dump")
 _INITDB_TIMEOUT_S = 60.0
 _START_WAIT_S = 30  # pg_ctl -t: how long pg_ctl waits for the server to accept connections
-_STOP_WAIT_S = 30
+_STOP_WAIT_S = 15  # then SIGQUIT: nothing in a throwaway cluster needs a clean shutdown
 _PORT_TRIES = 3  # a free port found by binding port 0 may be taken before the server binds it
 _DB_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _SETTINGS = {
@@ -167,10 +172,12 @@ class PostgresCluster:
                 try:
                     result = self._tool("pg_ctl", "stop", "-D", str(self.data_dir), "-m", "fast", "-w",
                                         "-t", str(_STOP_WAIT_S), timeout_s=_STOP_WAIT_S + 15)
-                    stopped = result.returncode == 0
+                    failure = None if result.returncode == 0 else f"exit {result.returncode}: {result.stderr.strip()}"
                 except subprocess.TimeoutExpired:
-                    stopped = False
-                if not stopped:
+                    failure = "pg_ctl itself did not return"
+                if failure:
+                    warnings.warn(f"pg_ctl stop -m fast did not stop the test cluster in {_STOP_WAIT_S} s ({failure}); "
+                                  f"ending it with SIGQUIT. Server log:\n{self._log_tail()}", stacklevel=2)
                     self._kill_postmaster()
                 self._started = False
         finally:
@@ -207,16 +214,21 @@ class PostgresCluster:
 
     def create_database(self, name: str) -> str:
         """Create an empty database ``name`` (lower-case letters, digits, ``_``; unique per test); returns it."""
-        import psycopg
         from psycopg import sql
 
         if not _DB_NAME_RE.match(name):
             raise ValueError(f"database name {name!r} must be 1-63 lower-case letters, digits or _, not starting "
                              f"with a digit")
-        with psycopg.connect(host="127.0.0.1", port=self.port, user=SUPERUSER, password=self._password,
-                             dbname="postgres", autocommit=True, connect_timeout=10) as conn:
+        with self._admin() as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return name
+
+    def drop_database(self, name: str) -> None:
+        """Drop database ``name``, ending any connection still open to it (a test's database, once it is done)."""
+        from psycopg import sql
+
+        with self._admin() as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
     def dump(self, db: str) -> str:
         """``pg_dump`` of database ``db`` as SQL text (schema and data)."""
@@ -231,6 +243,13 @@ class PostgresCluster:
         return result.stdout
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _admin(self) -> "psycopg.Connection":
+        """A connection to the ``postgres`` database for CREATE/DROP DATABASE (outside a transaction)."""
+        import psycopg  # on use: a missing driver fails the PostgreSQL tests, not every test's collection
+
+        return psycopg.connect(host="127.0.0.1", port=self.port, user=SUPERUSER, password=self._password,
+                               dbname="postgres", autocommit=True, connect_timeout=10)
+
     def _tool(self, name: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
         return self._run_as.run([str(self.bin_dir / name), *args], timeout_s, cwd=self.folder)
 
