@@ -33,11 +33,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from servegate.errors import ConfigError
 from servegate.history.keys import GateKey
 from servegate.history.rows import naive_utc
 
 __all__ = ["metadata", "schema_migrations", "runs", "run_tables", "table_rows", "outcomes_t", "baseline_actions",
-           "calibrations", "key_match", "MIGRATIONS", "SCHEMA_VERSION", "apply_migrations", "applied_versions",
+           "calibrations", "check_lengths", "key_match", "MIGRATIONS", "SCHEMA_VERSION", "apply_migrations", "applied_versions",
            "BASELINE_ACTIONS"]
 
 BASELINE_ACTIONS = ("pin", "unpin", "distribution_change")
@@ -53,6 +54,18 @@ def key_match(table: sa.Table, key: GateKey) -> Any:
     """The WHERE clause selecting ``key``'s rows of a per-key table."""
     return sa.and_(table.c.workload == key.workload, table.c.engine == key.engine,
                    table.c.hardware == key.hardware, table.c.model == key.model)
+
+
+def check_lengths(table: sa.Table, rows: Sequence[dict[str, Any]]) -> None:
+    """Refuse a value longer than its column (``String(n)``) before writing: PostgreSQL would refuse it
+    mid-transaction as a database failure, SQLite would store it; both backends now say the same."""
+    for row in rows:
+        for name, value in row.items():
+            limit = getattr(table.c[name].type, "length", None)
+            if limit is not None and isinstance(value, str) and len(value) > limit:
+                raise ConfigError(f"{table.name}.{name} is {len(value)} characters long, over the history database's "
+                                  f"limit of {limit}: {value[:60]!r}...; shorten it (a gate name, model name or run "
+                                  f"folder path)")
 
 
 metadata = sa.MetaData()

@@ -32,8 +32,8 @@ from servegate.errors import ConfigError
 from servegate.history.database import HistoryDatabase
 from servegate.history.keys import GateKey, RunRecord
 from servegate.history.rows import aware_utc, branch_of, frame_to_rows, json_record, naive_utc, restore_dtypes
-from servegate.history.schema import (BASELINE_ACTIONS, baseline_actions, calibrations, key_match, outcomes_t,
-                                      run_tables, runs, table_rows)
+from servegate.history.schema import (BASELINE_ACTIONS, baseline_actions, calibrations, check_lengths, key_match,
+                                      outcomes_t, run_tables, runs, table_rows)
 
 __all__ = ["Store"]
 
@@ -117,26 +117,30 @@ class Store:
             elif exists:
                 raise ConfigError(f"run {run_id} is already recorded; a re-run must be recorded with "
                                   f"attempt_of={run_id!r} (the original measurements are never overwritten)")
-            conn.execute(sa.insert(runs).values(
+            run_row = dict(
                 run_id=run_id, attempt_of=root, attempt=attempt, workload=key.workload, engine=key.engine,
                 hardware=key.hardware, model=key.model, status=status, started_at=started_at,
                 recorded_at=naive_utc(None), branch=branch_of(manifest_d, config_d),
                 git_revision=manifest_d.get("git_revision"), servegate_version=manifest_d.get("servegate_version"),
                 run_dir=None if run_dir is None else str(run_dir), verdict=verdict_d, manifest=manifest_d,
-                config=config_d))
-            for name, (rows, columns) in prepared.items():
-                conn.execute(sa.insert(run_tables).values(run_id=run_id, table_name=name, n_rows=len(rows),
-                                                          columns=columns))
+                config=config_d)
+            table_metas = [{"run_id": run_id, "table_name": name, "n_rows": len(rows), "columns": columns}
+                           for name, (rows, columns) in prepared.items()]
+            outcome_rows = [{"run_id": run_id, "idx": i, "table_name": str(o.get("table", "")),
+                             "expectation_type": str(o.get("expectation_type", "")), "column_name": o.get("column"),
+                             "success": o.get("success"), "data": o} for i, o in enumerate(outcome_ds)]
+            check_lengths(runs, [run_row])
+            check_lengths(run_tables, table_metas)
+            check_lengths(outcomes_t, outcome_rows)
+            conn.execute(sa.insert(runs).values(**run_row))
+            for meta, (rows, _columns) in zip(table_metas, prepared.values()):
+                conn.execute(sa.insert(run_tables).values(**meta))
                 if rows:
                     conn.execute(sa.insert(table_rows), [
-                        {"run_id": run_id, "table_name": name, "row_index": i, "data": row}
+                        {"run_id": run_id, "table_name": meta["table_name"], "row_index": i, "data": row}
                         for i, row in enumerate(rows)])
-            if outcome_ds:
-                conn.execute(sa.insert(outcomes_t), [
-                    {"run_id": run_id, "idx": i, "table_name": str(o.get("table", "")),
-                     "expectation_type": str(o.get("expectation_type", "")), "column_name": o.get("column"),
-                     "success": o.get("success"), "data": o}
-                    for i, o in enumerate(outcome_ds)])
+            if outcome_rows:
+                conn.execute(sa.insert(outcomes_t), outcome_rows)
         return run_id
 
     def record_baseline_action(self, key: GateKey, action: str, *, reason: str, actor: str | None = None,
@@ -148,10 +152,11 @@ class Store:
         if not reason or not reason.strip():
             raise ConfigError(f"a baseline {action} needs a reason (--reason '...'): the record says why")
         actor = actor or os.environ.get("SERVEGATE_ACTOR") or os.environ.get("USER") or "unknown"
+        row = dict(workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model, action=action,
+                   run_id=run_id, reason=reason.strip(), actor=actor, at=naive_utc(at))
+        check_lengths(baseline_actions, [row])
         with self._db.writing(f"recording baseline action {action}") as conn:
-            result = conn.execute(sa.insert(baseline_actions).values(
-                workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model, action=action,
-                run_id=run_id, reason=reason.strip(), actor=actor, at=naive_utc(at)))
+            result = conn.execute(sa.insert(baseline_actions).values(**row))
             return int(result.inserted_primary_key[0])
 
     def record_calibration(self, key: GateKey, *, plan: Mapping[str, Any], summary: Mapping[str, Any],
@@ -159,11 +164,12 @@ class Store:
         """Record one ``servegate calibrate`` result for ``key`` (one transaction); return its id."""
         from servegate import __version__
 
+        row = dict(workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model,
+                   at=naive_utc(at), servegate_version=__version__, plan=jsonio.to_jsonable(dict(plan)),
+                   summary=jsonio.to_jsonable(dict(summary)), metrics=jsonio.to_jsonable(list(metrics)))
+        check_lengths(calibrations, [row])
         with self._db.writing("recording a calibration", create=True) as conn:
-            result = conn.execute(sa.insert(calibrations).values(
-                workload=key.workload, engine=key.engine, hardware=key.hardware, model=key.model,
-                at=naive_utc(at), servegate_version=__version__, plan=jsonio.to_jsonable(dict(plan)),
-                summary=jsonio.to_jsonable(dict(summary)), metrics=jsonio.to_jsonable(list(metrics))))
+            result = conn.execute(sa.insert(calibrations).values(**row))
             return int(result.inserted_primary_key[0])
 
     def latest_calibration(self, key: GateKey, mode: str = "history") -> dict[str, Any] | None:

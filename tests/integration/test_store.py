@@ -199,7 +199,12 @@ def test_bad_inputs_are_config_errors(store: Store) -> None:
     manifest = {k: v for k, v in bad["manifest"].items() if k not in ("gate", "engine")}
     with pytest.raises(ConfigError, match="gate key"):
         store.record_run(**{**bad, "manifest": manifest, "config": {}})
-    assert store.runs() == []
+    # Too long for its column: refused up front on both backends (PostgreSQL would fail mid-write, SQLite store it).
+    with pytest.raises(ConfigError, match=r"runs\.model is 501 characters long, over .* limit of 500"):
+        store.record_run(**{**bad, "manifest": {**bad["manifest"], "model": "m" * 501}})
+    with pytest.raises(ConfigError, match=r"baseline_actions\.actor is 201 characters"):
+        store.record_baseline_action(KEY, "pin", reason="r", actor="a" * 201)
+    assert store.runs() == [] and store.baseline_actions(KEY) == []
 
 
 def test_schema_is_versioned_and_newer_databases_are_refused(store_url: str) -> None:
