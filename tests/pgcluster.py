@@ -60,8 +60,9 @@ def find_bin_dir() -> Path:
     for folder in _BIN_DIRS:
         if all(os.access(folder / tool, os.X_OK) for tool in _TOOLS):
             return folder
-    raise LookupError(f"PostgreSQL server binaries ({', '.join(_TOOLS)}) not found in "
-                      f"{', '.join(str(d) for d in _BIN_DIRS) or '/usr/lib/postgresql/*/bin'}; install them: {INSTALL_HINT}")
+    searched = ", ".join(str(d) for d in _BIN_DIRS) or "/usr/local/bin, /usr/lib/postgresql/*/bin"
+    raise LookupError(f"PostgreSQL server binaries ({', '.join(_TOOLS)}) not found in {searched}; install them: "
+                      f"{INSTALL_HINT}")
 
 
 def _free_port() -> int:

@@ -8,10 +8,11 @@ Every write transaction takes the store's write lock before it reads anything (S
 up to a 30 s ``lock_timeout``), so gates recording at once cannot both take the same attempt number
 or both create the schema; a writer that dies mid-transaction releases it (PostgreSQL ends the dead
 client's transaction). Readers do not take it, and read one snapshot (SQLite: a read transaction;
-PostgreSQL: ``REPEATABLE READ``), so a reader during writes sees a run whole or not at all. SQLite keeps its default rollback journal, not WAL: switching a file to
-WAL fails at once (no busy wait) while another connection writes, writes to the file (a reader
-would turn a user's empty file into a database), and needs shared memory that network file
-systems lack; writers are serialised by ``BEGIN IMMEDIATE`` either way.
+PostgreSQL: ``REPEATABLE READ``), so a reader during writes sees a run whole or not at all.
+SQLite keeps its default rollback journal, not WAL: switching a file to WAL fails at once (no busy
+wait) while another connection writes, writes to the file (a reader would turn a user's empty file
+into a database), and needs shared memory that network file systems lack; writers are serialised
+by ``BEGIN IMMEDIATE`` either way.
 
 **Opening.** ``Store(url)`` (through :class:`HistoryDatabase`) only connects on first use; then
 the schema is checked once:
@@ -133,9 +134,9 @@ class HistoryDatabase:
         try:
             self._engine = _create_engine(self._url, **kwargs)
         except (ArgumentError, ImportError) as exc:
-            raise ConfigError(f"cannot open history database {redact_url(self._url)!r}: {exc}; give a SQLAlchemy URL such as "
-                              f"sqlite:////path/history.db or postgresql+psycopg://user@host/db (driver installed)") \
-                from exc
+            raise ConfigError(f"cannot open history database {redact_url(self._url)!r}: {exc}; give a SQLAlchemy "
+                              f"URL such as sqlite:////path/history.db or postgresql+psycopg://user:password@host/db, "
+                              f"its driver installed (PostgreSQL: pip install 'servegate[postgres]')") from exc
 
     @property
     def url(self) -> str:
@@ -241,8 +242,8 @@ class HistoryDatabase:
         """The migrations still to apply; a database written by a newer servegate is refused."""
         newest = max(applied, default=0)
         if newest > schema.SCHEMA_VERSION:
-            raise InfraError(f"history database {redact_url(self._url)} has schema version {newest}, newer than this servegate "
-                             f"understands ({schema.SCHEMA_VERSION}); upgrade servegate to read it")
+            raise InfraError(f"history database {redact_url(self._url)} has schema version {newest}, newer than this "
+                             f"servegate understands ({schema.SCHEMA_VERSION}); upgrade servegate to read it")
         return [m for m in schema.MIGRATIONS if m[0] not in applied]
 
     def _start_sqlite_file(self) -> bool:

@@ -38,7 +38,8 @@ from servegate.history.keys import GateKey
 from servegate.history.rows import naive_utc
 
 __all__ = ["metadata", "schema_migrations", "runs", "run_tables", "table_rows", "outcomes_t", "baseline_actions",
-           "calibrations", "check_lengths", "key_match", "MIGRATIONS", "SCHEMA_VERSION", "apply_migrations", "applied_versions",
+           "calibrations", "check_lengths", "key_match", "MIGRATIONS", "SCHEMA_VERSION", "apply_migrations",
+           "applied_versions",
            "BASELINE_ACTIONS"]
 
 BASELINE_ACTIONS = ("pin", "unpin", "distribution_change")

@@ -183,7 +183,8 @@ class Store:
         row = next((r for r in rows if ((r["summary"] or {}).get("mode") or "history") == mode), None)
         if row is None:
             return None
-        return {"id": row["id"], "key": str(key), "at": aware_utc(row["at"]), "servegate_version": row["servegate_version"],
+        return {"id": row["id"], "key": str(key), "at": aware_utc(row["at"]),
+                "servegate_version": row["servegate_version"],
                 "plan": row["plan"], "summary": row["summary"], "metrics": row["metrics"]}
 
     # ---- reading --------------------------------------------------------------------------

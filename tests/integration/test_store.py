@@ -372,7 +372,8 @@ def _write_lock_held_elsewhere(store: Store) -> bool:
     if store.engine.dialect.name == "sqlite":
         return Path(f"{store.engine.url.database}-journal").exists()
     with store.engine.connect() as conn:
-        return conn.execute(sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")).scalar() == 1
+        held = conn.execute(sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")).scalar()
+        return held == 1
 
 
 @pytest.mark.timeout(60)
