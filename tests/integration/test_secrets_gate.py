@@ -1,11 +1,12 @@
 """Secrets planted in a whole gate run are found nowhere in its outputs, and hostile config text
 reaches the HTML only escaped (issue 15; issue 11, finding 13).
 
-One real `servegate run --profile smoke` (a subprocess, its own ephemeral Prefect server, a real
-embedded worker) records into a real PostgreSQL history database whose URL holds a password
-(``$SERVEGATE_DB``, as a team sets it) and authenticates to its worker with an API key given the
-documented way: ``worker.api_key_env`` names a variable that holds it (the name, not the key, is
-on the command line). While the gate runs, every process of its tree is sampled; afterwards the
+One real smoke gate (`servegate run --config`, a subprocess, its own ephemeral Prefect server, a
+real embedded worker) records into a real PostgreSQL history database whose URL holds a password,
+named both in the config file (``store.url``) and in ``$SERVEGATE_DB`` (as a team sets it, for the
+history CLIs), and authenticates to its worker with an API key given the documented way:
+``worker.api_key_env`` names a variable that holds it (the name, not the key, is on the command
+line). While the gate runs, every process of its tree is sampled; afterwards the
 key, the password and the URL are looked for in the run folder, the gate's output, the history
 and dashboard CLIs' output, Prefect's database and a ``pg_dump`` of the history database.
 
@@ -32,6 +33,7 @@ import psutil
 import pytest
 import requests
 
+from servegate.config import PROFILES_DIR
 from servegate.proctree import terminate_tree
 from servegate.worker.cli import API_KEY_ENV
 
@@ -80,6 +82,10 @@ class GateRun:
     unauthenticated_status: int | None  # the live worker's answer to a request without the key
 
     @property
+    def redacted_url(self) -> str:
+        return self.url.replace(self.password, "***")
+
+    @property
     def secrets(self) -> dict[str, str]:
         return {"API key": KEY, "database password": self.password, "database URL": self.url}
 
@@ -122,7 +128,12 @@ def gate_run(pg_cluster, tmp_path_factory: pytest.TempPathFactory) -> GateRun:
                HF_HUB_OFFLINE="1", **{KEY_VAR: KEY})
     for name in ("PREFECT_API_URL", "SERVEGATE_DEVICE_SLOT", API_KEY_ENV):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(home / "runs"),
+    # The smoke profile as a team's config file that names its history database (store.url): the URL
+    # then travels in the config itself (config.json, Prefect's flow-run parameters, the history's
+    # config snapshot), besides $SERVEGATE_DB, which the history CLIs read.
+    config = home / "gate.toml"
+    config.write_text((PROFILES_DIR / "smoke.toml").read_text() + f"\n[store]\nurl = {json.dumps(url)}\n")
+    cmd = [sys.executable, "-m", "servegate", "run", "--config", str(config), "--output-dir", str(home / "runs"),
            "--json", "--set", f"worker.api_key_env={KEY_VAR}", "--set", f"hardware={HOSTILE}", *CHEAP]
     seen: dict[int, ProcessSeen] = {}
     unauthenticated: int | None = None
@@ -210,7 +221,11 @@ def test_no_secret_in_the_run_folder_the_output_or_prefect(gate_run: GateRun) ->
     leaks += _leaks(gate_run, "the gate's stderr", gate_run.proc.stderr)
     assert not leaks, leaks
     # The key was configured by name: the snapshot keeps the name, never a value.
-    assert f'"api_key_env": "{KEY_VAR}"' in (gate_run.run_dir / "config.json").read_text()
+    snapshot = json.loads((gate_run.run_dir / "config.json").read_text())
+    assert (snapshot["worker"]["api_key"], snapshot["worker"]["api_key_env"]) == (None, KEY_VAR)
+    assert snapshot["store"]["url"] == gate_run.redacted_url  # the URL was there, redacted
+    # So was it in the flow run's parameters, in Prefect's database (its WAL, or the file once checkpointed)
+    assert any(gate_run.redacted_url.encode() in path.read_bytes() for path in prefect_files)
 
 
 def test_no_secret_in_the_history_cli_output_the_dashboard_or_the_database(gate_run: GateRun, history_cli,
@@ -220,8 +235,10 @@ def test_no_secret_in_the_history_cli_output_the_dashboard_or_the_database(gate_
     site = [path for path in (gate_run.home / "site").rglob("*") if path.is_file()]
     assert site, "the dashboard wrote nothing"
     leaks += [leak for path in site for leak in _leaks(gate_run, str(path), path.read_bytes())]
-    leaks += _leaks(gate_run, "pg_dump of the history database", pg_cluster.dump(gate_run.db))
+    dump = pg_cluster.dump(gate_run.db)
+    leaks += _leaks(gate_run, "pg_dump of the history database", dump)
     assert not leaks, leaks
+    assert gate_run.redacted_url in dump  # the run's config and manifest hold the URL, redacted
 
 
 class _Tags(HTMLParser):
