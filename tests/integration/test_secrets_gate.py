@@ -37,7 +37,7 @@ from servegate.config import PROFILES_DIR
 from servegate.proctree import terminate_tree
 from servegate.worker.cli import API_KEY_ENV
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # the gate (GATE_TIMEOUT_S), then the CLIs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,8 @@ KEY_VAR = "SECRETS_GATE_WORKER_KEY"  # what worker.api_key_env names
 HOSTILE = "cpu-<img src=x onerror=alert(1)>"  # a config string (hardware) that is part of the gate key
 HOSTILE_ESCAPED = "cpu-&lt;img src=x onerror=alert(1)&gt;"
 GATE_KEY = f"smoke/embedded/{HOSTILE}/smollm2-135m"
-GATE_TIMEOUT_S = 360.0
+GATE_MAX_WALL_S = 300  # the gate's own deadline (max_wall_s: past it, an inconclusive verdict) ...
+GATE_TIMEOUT_S = 360.0  # ... and this test's, should the gate not keep it
 # The smoke gate's stages that record and report, on a small load: launch, warm-up, serving,
 # validate, record, report (one batch, occupancy and quality add nothing here but minutes).
 CHEAP = ["--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false", "--set", "quality.enabled=false",
@@ -134,7 +135,8 @@ def gate_run(pg_cluster, tmp_path_factory: pytest.TempPathFactory) -> GateRun:
     config = home / "gate.toml"
     config.write_text((PROFILES_DIR / "smoke.toml").read_text() + f"\n[store]\nurl = {json.dumps(url)}\n")
     cmd = [sys.executable, "-m", "servegate", "run", "--config", str(config), "--output-dir", str(home / "runs"),
-           "--json", "--set", f"worker.api_key_env={KEY_VAR}", "--set", f"hardware={HOSTILE}", *CHEAP]
+           "--json", "--set", f"worker.api_key_env={KEY_VAR}", "--set", f"hardware={HOSTILE}",
+           "--set", f"max_wall_s={GATE_MAX_WALL_S}", *CHEAP]
     seen: dict[int, ProcessSeen] = {}
     unauthenticated: int | None = None
     out, err = home / "gate.stdout", home / "gate.stderr"  # files: a pipe not read while sampling could fill
