@@ -162,20 +162,32 @@ def gate_run(pg_cluster, tmp_path_factory: pytest.TempPathFactory) -> GateRun:
     return GateRun(proc, Path(verdict["run_dir"]), home, url, pg_cluster.password, db, env, seen, unauthenticated)
 
 
-def _cli(run: GateRun, *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "servegate", *args], cwd=REPO, env=run.env, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, f"servegate {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}"
-    return result
+CLI_TIMEOUT_S = 180.0
 
 
 @pytest.fixture(scope="module")
 def history_cli(gate_run: GateRun) -> dict[str, subprocess.CompletedProcess]:
-    """What the history and dashboard commands print, run once on the recorded run (the site under
-    ``home/site``)."""
-    return {" ".join(args): _cli(gate_run, *args)
-            for args in (("status",), ("status", "--json"), ("baseline", "show", GATE_KEY),
-                         ("dashboard", "--out", str(gate_run.home / "site")))}
+    """What the history and dashboard commands print, run (at once: each is mostly its start-up) on
+    the recorded run, as ``servegate ARGS`` processes with the gate's environment; the site goes to
+    ``home/site``."""
+    commands = [("status",), ("status", "--json"), ("baseline", "show", GATE_KEY),
+                ("dashboard", "--out", str(gate_run.home / "site"))]
+    started = {" ".join(args): subprocess.Popen([sys.executable, "-m", "servegate", *args], cwd=REPO, env=gate_run.env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for args in commands}
+    results = {}
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    try:
+        for name, cli in started.items():
+            stdout, stderr = cli.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results[name] = subprocess.CompletedProcess(cli.args, cli.returncode, stdout, stderr)
+    finally:
+        for cli in started.values():
+            terminate_tree(cli.pid, timeout_s=10.0)
+            cli.wait(timeout=30)
+    failed = {name: (r.returncode, r.stderr[-2000:]) for name, r in results.items() if r.returncode != 0}
+    assert not failed, failed
+    return results
 
 
 def _leaks(run: GateRun, where: str, data: bytes | str) -> list[str]:
