@@ -39,7 +39,7 @@ from types import TracebackType
 
 import requests
 
-from servegate.config import WorkerSpec
+from servegate.config import WorkerSpec, redact_url
 from servegate.engines import Engine, get_engine
 from servegate.errors import (ConfigError, ServerUnreachableError, StageError, WorkerDiedError, WorkerLaunchError,
                               WorkerOOMError)
@@ -75,6 +75,20 @@ def _connect_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def worker_base_environ(spec: WorkerSpec) -> dict[str, str]:
+    """The environment a launched worker inherits from the gate, without the gate's own secrets: the
+    variable that holds the worker's key (``worker.api_key_env``: the engine gets the key under its own
+    variable, :meth:`Engine.launch_env`) and the history database's password (``SERVEGATE_DB`` keeps
+    its URL, password hidden: the worker never writes the history). Anything else passes, so that an
+    engine still finds ``HF_TOKEN``, proxies and thread settings."""
+    env = dict(os.environ)
+    if spec.api_key_env:
+        env.pop(spec.api_key_env, None)
+    if "SERVEGATE_DB" in env:
+        env["SERVEGATE_DB"] = redact_url(env["SERVEGATE_DB"]) or ""
+    return env
 
 
 def _redacted(cmd: list[str]) -> str:
@@ -293,7 +307,7 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     port = spec.port or free_port(spec.host)
     cmd = engine.launch_command(spec, port)
     # PYTHONUNBUFFERED so that the log tail shows the last words of a crashing Python worker.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
+    env = {**worker_base_environ(spec), "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _install_exit_hooks()
     guard_process_tree()

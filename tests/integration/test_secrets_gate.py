@@ -11,9 +11,11 @@ key, the password and the URL are looked for in the run folder, the gate's outpu
 and dashboard CLIs' output, Prefect's database and a ``pg_dump`` of the history database.
 
 Where a secret may be by design: the gate's own environment (the user put both there), the
-environment its children inherit from it (same user; ``/proc/PID/environ`` is readable by that
-user and root only), and ``$SERVEGATE_API_KEY`` in the worker's (how the embedded worker takes
-its key, docs/contracts.md). Never a command line.
+environment its own helpers inherit from it (Prefect's server, the tree guard: same user;
+``/proc/PID/environ`` is readable by that user and root only), and ``$SERVEGATE_API_KEY`` in the
+worker's (how the embedded worker takes its key, docs/contracts.md) — the worker inherits neither
+the user's key variable nor the history's password (``launch.worker_base_environ``). Never a
+command line.
 """
 
 from __future__ import annotations
@@ -212,9 +214,9 @@ def test_no_secret_on_any_command_line_nor_in_an_unexpected_environment(gate_run
     leaks = []
     for pid, seen in gate_run.processes.items():
         leaks += _leaks(gate_run, f"the command line of {pid} ({seen.cmdline[:80]})", seen.cmdline)
-        # Where a secret may be: the variables the user set (inherited by the gate's children) and the
-        # worker's key variable, only in the worker.
-        allowed = {"SERVEGATE_DB", KEY_VAR} | ({API_KEY_ENV} if pid in workers else set())
+        # Where a secret may be: the variables the user set (inherited by the gate's own helpers), and in
+        # the worker only its key variable.
+        allowed = {API_KEY_ENV} if pid in workers else {"SERVEGATE_DB", KEY_VAR}
         leaks += [leak for name, value in seen.environ.items() if name not in allowed
                   for leak in _leaks(gate_run, f"${name} of {pid} ({seen.cmdline[:80]})", value)]
     assert not leaks, leaks

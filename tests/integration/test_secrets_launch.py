@@ -31,6 +31,7 @@ def _tiny_model_cached() -> None:
 
 def test_embedded_worker_gets_the_key_by_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GATE_TEST_KEY", KEY)
+    monkeypatch.setenv("SERVEGATE_DB", "postgresql+psycopg://gate:pg-pass-4711@db.example/history")
     spec = WorkerSpec(engine="embedded", model="tiny-random", memory_profile="cpu-small", extra_args=TINY,
                       enable_metrics=False, api_key_env="GATE_TEST_KEY")
     log = tmp_path / "worker.log"
@@ -38,6 +39,13 @@ def test_embedded_worker_gets_the_key_by_environment(tmp_path: Path, monkeypatch
         worker = psutil.Process(handle.pid)
         argv = " ".join(worker.cmdline() + [a for c in worker.children(recursive=True) for a in c.cmdline()])
         assert KEY not in argv and "--api-key" not in argv  # nothing in `ps`
+        # The environment it started with (`ps e`, /proc/PID/environ: the kernel's copy, which the worker
+        # cannot wipe): the key only under the engine's own variable, not also under the user's; the
+        # history's URL without its password (a worker never writes the history).
+        environ = worker.environ()
+        assert "GATE_TEST_KEY" not in environ and environ["SERVEGATE_API_KEY"] == KEY
+        assert environ["SERVEGATE_DB"] == "postgresql+psycopg://gate:***@db.example/history"
+        assert not [k for k, v in environ.items() if "pg-pass-4711" in v]
         assert KEY not in log.read_text()
         # The worker requires the key ...
         assert requests.post(handle.base_url + "/generate", json={"text": "hi"}, timeout=30).status_code == 401
