@@ -73,10 +73,37 @@ def _could_not_decide() -> int:
     return ExitCode.UNDECIDED
 
 
+_SECRET_OVERRIDES = ("worker.api_key=", "baseline.api_key=")
+
+
+def secrets_on_command_line(args: argparse.Namespace) -> list[str]:
+    """Warnings for secrets given as arguments, which every user of the machine reads in ``ps``: a
+    database URL with a password (``--db``, ``--set store.url=``) and an API key (``--set
+    worker.api_key=``). They still work; the warning says where the secret should go instead."""
+    from servegate.config import redact_url
+
+    out = []
+    db = getattr(args, "db", None)
+    if db and redact_url(db) != db:
+        out.append("--db holds a password, which every user of this machine can read in `ps`; "
+                   "put the URL in $SERVEGATE_DB instead")
+    for item in getattr(args, "overrides", None) or []:
+        key, _, value = item.partition("=")
+        if item.startswith(_SECRET_OVERRIDES) and value:
+            out.append(f"--set {key}=... puts the key where every user of this machine can read it (`ps`); "
+                       f"put it in an environment variable and --set {key}_env=NAME instead")
+        elif key.strip() == "store.url" and redact_url(value) != value:
+            out.append("--set store.url=... holds a password, which every user of this machine can read in "
+                       "`ps`; put the URL in $SERVEGATE_DB instead")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_defaults()
     args = build_parser().parse_args(argv)
     configure_logging(verbose=args.verbose)
+    for warning in secrets_on_command_line(args):
+        print(f"servegate: warning: {warning}", file=sys.stderr)
     command = getattr(args, "func", None)
     if command is None:  # every command module sets func; argparse guarantees a known command
         raise AssertionError(f"unhandled command {args.command!r}")

@@ -69,3 +69,27 @@ def test_other_exits_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_profiles_lists_the_shipped_profiles(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["profiles"]) == 0
     assert "smoke" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, warned", [
+    (["status", "--db", "postgresql+psycopg://gate:pw-1234@db.example/history"], ["--db holds a password"]),
+    (["status", "--db", "/tmp/history.db"], []),
+    (["run", "--profile", "smoke", "--set", "worker.api_key=sk-1234"], ["--set worker.api_key=..."]),
+    (["run", "--profile", "smoke", "--set", "baseline.api_key=sk-1234"], ["--set baseline.api_key=..."]),
+    (["run", "--profile", "smoke", "--set", "worker.api_key_env=GATE_KEY"], []),
+    (["run", "--profile", "smoke", "--set", "store.url=postgresql://gate:pw-1234@db.example/h"],
+     ["--set store.url=... holds a password"]),
+    (["run", "--profile", "smoke", "--set", "store.url=sqlite:////tmp/h.db"], []),
+])
+def test_a_secret_on_the_command_line_is_warned_about_without_repeating_it(argv, warned) -> None:
+    warnings = cli.secrets_on_command_line(cli.build_parser().parse_args(argv))
+    assert len(warnings) == len(warned) and all(w.startswith(p) for w, p in zip(warnings, warned)), warnings
+    assert not [w for w in warnings if "pw-1234" in w or "sk-1234" in w]
+
+
+def test_the_warning_reaches_stderr_before_the_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    # A closed loopback port: the command itself fails (exit 2), after the warning.
+    code = cli.main(["status", "--db", "postgresql+psycopg://gate:pw-1234@127.0.0.1:9/history"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("servegate: warning: --db holds a password"), err
+    assert "pw-1234" not in err and "gate:***@127.0.0.1:9" in err
