@@ -1,4 +1,4 @@
-"""The regression gate: launch -> warmup -> (flush -> measure)* -> paired -> compare -> validate -> verdict -> record.
+"""The regression gate: host -> launch -> warmup -> (flush -> measure)* -> paired -> compare -> validate -> verdict -> record.
 
 Deployment entrypoint: ``flows/gate.py:regression_gate``. ``measure_and_decide`` is the body the
 gate and the re-run flow share: each task returns its stage's result and the flow passes the
@@ -19,6 +19,7 @@ from servegate.tasks._stage import outcome
 from servegate.tasks.capacity import capacity
 from servegate.tasks.compare import compare
 from servegate.tasks.flush import flush
+from servegate.tasks.host import host
 from servegate.tasks.launch import launch
 from servegate.tasks.occupancy import occupancy
 from servegate.tasks.one_batch import one_batch
@@ -46,7 +47,15 @@ def measure_and_decide(run: GateRun, stages: Sequence[str] = MEASUREMENT_STAGES,
     own_workers = [s for s in MEASUREMENT_STAGES if s in stages and spec(s).own_workers]
     teardown_errors: list[str] = []
     try:
-        if run.uses_worker(on_gate_worker):
+        # Before anything is measured, on the gate's worker or the paired stage's own: a busy host
+        # is inconclusive, never a measurement.
+        checked = outcome(host(run, return_state=True))
+        results.append(checked)
+        if checked.status == "failed":
+            why = "the host failed its checks (see host in stages.json)"
+            on_gate_worker, own_workers = [], []
+            results += [run.skipped(name, "skipped", why) for name in ("launch", "warmup", *stages)]
+        elif run.uses_worker(on_gate_worker):
             launched = outcome(launch(run, return_state=True))
             warmed = outcome(warmup(run, launched, return_state=True))
             results += [launched, warmed]

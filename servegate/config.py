@@ -47,6 +47,7 @@ __all__ = [
     "CompareConfig",
     "StoreConfig",
     "ReportConfig",
+    "HostConfig",
     "PairedConfig",
     "PAIRED_METRICS",
     "GateConfig",
@@ -462,6 +463,24 @@ class StoreConfig(_Model):
         return redact_url(value)
 
 
+class HostConfig(_Model):
+    """Checks of the machine before the first measurement (``servegate.hostcheck``).
+
+    A gate measures latency on a shared host: another process holding a core, or a compute process
+    on the GPU, moves the figures more than the regressions the gate looks for. A host that fails a
+    check makes the run inconclusive, never a measurement. The environment record (``host.json``) is
+    written whether the checks are on or not.
+    """
+
+    enabled: bool = Field(True, description="check the host before measuring (off: record it only)")
+    sample_s: Seconds = Field(2.0, description="how long other processes' CPU use is sampled")
+    max_other_cpu_cores: float = Field(0.5, ge=0, allow_inf_nan=False, description=(
+        "most CPU that processes outside the gate's own tree and its ancestors may hold during the sample, in "
+        "cores (0.5 = half a core): a busy-loop neighbour holds 1.0, an idle CI runner ~0.05"))
+    foreign_gpu_processes: bool = Field(False, description=(
+        "allow compute processes on the GPU that are not the gate's (nvidia-smi); false: they fail the check"))
+
+
 class ReportConfig(_Model):
     html: bool = Field(True, description="write report.html into the run folder (matplotlib plots)")
 
@@ -556,6 +575,7 @@ class GateConfig(_Model):
     compare: CompareConfig = Field(default_factory=CompareConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+    host: HostConfig = Field(default_factory=HostConfig)
     output_dir: str = Field("runs", description="run folders are created under this folder")
     max_wall_s: Seconds = Field(4 * 3600.0, description=(
         "the gate's deadline from its start: a stage still running then is stopped (its worker with it) and "

@@ -1,7 +1,8 @@
 """Provenance of a gate run: the machine it ran on and the git revision of the working directory.
 
 This module owns ``HostInfo`` and how it is collected (``collect_host_info``: hostname, OS, CPU,
-memory, GPUs) and reading git (``git_revision``, ``git_branch``). All of it is best effort: a
+memory, GPUs) and reading git (``git_revision``, ``git_branch``) and running ``nvidia-smi`` (``nvidia_smi``, which
+``servegate.hostcheck`` uses for the GPU's driver, clocks and processes). All of it is best effort: a
 missing or hung ``git`` / ``nvidia-smi`` yields None or an empty list, never a failed gate run.
 ``servegate.results`` records what these return in each run's manifest.
 """
@@ -23,6 +24,7 @@ __all__ = [
     "collect_host_info",
     "git_revision",
     "git_branch",
+    "nvidia_smi",
 ]
 
 _GIT_TIMEOUT_S = 5.0
@@ -104,17 +106,21 @@ def _gpu_names() -> list[str]:
                 return names
         except RuntimeError:
             pass
+    out = nvidia_smi(["--query-gpu=name,memory.total", "--format=csv,noheader"])
+    return [] if out is None else [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def nvidia_smi(args: list[str]) -> str | None:
+    """``nvidia-smi <args>``'s output; None where there is no nvidia-smi or it fails or hangs (best effort)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return None
     try:
-        proc = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S, check=False)
+        proc = subprocess.run([smi, *args], capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S,
+                              check=False)
     except (subprocess.TimeoutExpired, OSError):
-        return []
-    if proc.returncode != 0:
-        return []
-    return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        return None
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def collect_host_info() -> HostInfo:

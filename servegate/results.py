@@ -4,7 +4,8 @@ A gate run writes everything it measures into its own folder as soon as it has i
 that a later stage failing (or the process being killed) loses nothing already measured::
 
     <output_dir>/<YYYYmmdd-HHMMSS>-<gate>-<short uuid>/
-        manifest.json          RunManifest: identity, config, seeds, git, host, stage records
+        manifest.json          RunManifest: identity, config, seeds, git, host, environment, stage records
+        host.json              the environment record and host checks (servegate.hostcheck)
         config.json            the GateConfig snapshot (aliases, JSON mode)
         <table>.parquet        one per stage table (lossless: list columns such as itls_ms)
         <table>.csv            the same table for humans and spreadsheets (lists JSON-encoded)
@@ -35,6 +36,7 @@ import servegate
 from servegate import jsonio
 from servegate.config import REDACTED, GateConfig, is_secret_env_name, redact_url
 from servegate.errors import ConfigError, StageError
+from servegate.hostcheck import HostRecord
 from servegate.provenance import HostInfo, collect_host_info, git_branch, git_revision
 
 __all__ = [
@@ -94,6 +96,9 @@ class RunManifest(_Record):
     git_dirty: bool | None = Field(None, description="True when the working tree has uncommitted changes")
     git_branch: str | None = Field(None, description="checked-out branch, None when detached or outside a repository")
     host: HostInfo = Field(description="the machine the gate ran on")
+    environment: HostRecord | None = Field(None, description=(
+        "the environment record taken before the first measurement (host.json: load, governors, thread "
+        "settings, GPU driver and clocks, the host checks' findings); None before it is taken"))
     started_at: datetime = Field(default_factory=_utcnow, description="UTC time the run folder was created")
     finished_at: datetime | None = Field(None, description="UTC time the run was finished (None while running)")
     stages: list[StageRecord] = Field(default_factory=list, description="one record per stage, in execution order")

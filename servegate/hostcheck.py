@@ -1,0 +1,294 @@
+"""The host a gate measures on: its environment record and the checks made before the first measurement.
+
+A latency gate on a shared machine measures its neighbours too: a process holding a core (a
+build, another test, a stuck job) or a compute process on the GPU moves the figures by more than
+the regressions the gate looks for. So before measuring, the gate
+
+- **records** the environment (:class:`HostRecord`, written as ``host.json`` and in the run's
+  manifest, hence its history row): the machine (``servegate.provenance.HostInfo``), the load
+  average, each CPU's frequency governor and current/maximum frequency where ``/sys`` shows them,
+  the thread settings (``OMP_NUM_THREADS`` and friends) of the gate's and each worker's environment,
+  torch's thread count, and the GPUs' driver, clocks and compute processes when ``nvidia-smi`` exists;
+- **checks** (``[host]`` config, :class:`HostCheck`): other processes' CPU use over
+  ``host.sample_s`` (psutil), leaving out the gate's own process tree and its ancestors (pytest,
+  a CI runner, a Prefect worker), must stay within ``host.max_other_cpu_cores``; and no compute
+  process on the GPU may be someone else's. A failed check makes the run inconclusive, naming
+  the processes (pid, name, CPU share) — never a measurement, never a regression.
+
+:func:`environment_differences` says what differs, in what moves the figures (CPU model, thread
+settings, governor, GPU driver), between a run's record and a baseline run's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+from pydantic import BaseModel, ConfigDict, Field
+
+from servegate.errors import InfraError
+from servegate.provenance import HostInfo, collect_host_info, nvidia_smi
+
+if TYPE_CHECKING:  # pragma: no cover
+    from servegate.config import GateConfig, HostConfig, WorkerSpec
+
+__all__ = ["THREAD_VARIABLES", "CpuFrequency", "CpuUser", "GpuState", "GpuProcess", "HostCheck", "HostRecord",
+           "record_host", "thread_settings", "environment_differences", "GPU_QUERY", "GPU_PROCESS_QUERY"]
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_NUM_THREADS")
+"""Thread settings recorded by name; every ``VLLM_CPU_*`` variable is recorded too."""
+
+GPU_QUERY = ["--query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem",
+             "--format=csv,noheader,nounits"]
+GPU_PROCESS_QUERY = ["--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"]
+
+_SHOWN_CPU_USERS = 0.01
+"""Processes below a hundredth of a core are summed, not listed."""
+_CPU_ROOT = Path("/sys/devices/system/cpu")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CpuFrequency(_Record):
+    cpu: int = Field(description="logical CPU number")
+    governor: str | None = Field(None, description="cpufreq scaling governor (performance, powersave, ...)")
+    cur_khz: int | None = Field(None, description="current frequency, kHz (scaling_cur_freq)")
+    max_khz: int | None = Field(None, description="maximum frequency, kHz (cpuinfo_max_freq)")
+
+
+class CpuUser(_Record):
+    pid: int
+    name: str = Field(description="process name (never its command line: that may hold a secret)")
+    username: str | None = None
+    cpu_cores: float = Field(description="CPU held during the sample, in cores (1.0 = one core busy)")
+
+
+class GpuState(_Record):
+    index: int
+    name: str
+    driver_version: str | None = None
+    sm_clock_mhz: float | None = None
+    sm_clock_max_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    mem_clock_max_mhz: float | None = None
+
+
+class GpuProcess(_Record):
+    pid: int
+    name: str
+    used_memory_mib: float | None = None
+    ours: bool = Field(description="the gate's own process tree")
+
+
+class HostCheck(_Record):
+    """What the checks found; ``problems`` empty means the host may be measured on."""
+
+    sample_s: float = Field(description="how long other processes' CPU use was sampled")
+    max_other_cpu_cores: float = Field(description="host.max_other_cpu_cores")
+    other_cpu_cores: float = Field(description="CPU held by processes outside the gate's tree and ancestors, cores")
+    cpu_users: list[CpuUser] = Field(default_factory=list, description="those processes, busiest first")
+    foreign_gpu_processes: list[GpuProcess] = Field(default_factory=list)
+    problems: list[str] = Field(default_factory=list, description="why the host fails the checks, one line each")
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+class HostRecord(_Record):
+    """The environment a gate run measured in (``host.json``; ``RunManifest.environment``)."""
+
+    machine: HostInfo
+    load_avg: tuple[float, float, float] | None = Field(None, description="1, 5 and 15 minute load averages")
+    cpus: list[CpuFrequency] = Field(default_factory=list, description="per CPU, where /sys shows cpufreq")
+    threads: dict[str, dict[str, str]] = Field(default_factory=dict, description=(
+        "thread settings per environment: gate, worker, baseline (only the variables that are set)"))
+    torch_threads: int | None = Field(None, description="torch.get_num_threads() when the gate imported torch")
+    gpus: list[GpuState] = Field(default_factory=list, description="nvidia-smi, where present")
+    gpu_processes: list[GpuProcess] = Field(default_factory=list, description="compute processes on the GPUs")
+    check: HostCheck | None = Field(None, description="the checks' findings; None when host.enabled is false")
+
+    def raise_for_problems(self) -> None:
+        """InfraError (the run is inconclusive) naming every problem the checks found."""
+        if self.check is not None and self.check.problems:
+            raise InfraError("host check failed: " + "; ".join(self.check.problems))
+
+
+def thread_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The thread variables ``environ`` sets."""
+    return {k: environ[k] for k in sorted(environ) if k in THREAD_VARIABLES or k.startswith("VLLM_CPU_")}
+
+
+def _worker_environ(spec: "WorkerSpec") -> dict[str, str]:
+    from servegate.engines import get_engine
+    from servegate.errors import ConfigError
+
+    try:
+        added = get_engine(spec.engine).launch_env(spec)
+    except ConfigError:  # a snapshot's redacted secret: the thread settings are still in spec.env
+        added = dict(spec.env)
+    return {**os.environ, **added}
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_frequencies() -> list[CpuFrequency]:
+    found = []
+    for cpu in range(os.cpu_count() or 0):
+        base = _CPU_ROOT / f"cpu{cpu}" / "cpufreq"
+        if not base.is_dir():
+            continue
+        try:
+            governor = (base / "scaling_governor").read_text().strip() or None
+        except OSError:
+            governor = None
+        found.append(CpuFrequency(cpu=cpu, governor=governor, cur_khz=_read_int(base / "scaling_cur_freq"),
+                                  max_khz=_read_int(base / "cpuinfo_max_freq")))
+    return found
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
+def _gpus() -> list[GpuState]:
+    out = nvidia_smi(GPU_QUERY)
+    gpus = []
+    for line in (out or "").splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != 7 or not cells[0].isdigit():
+            continue
+        gpus.append(GpuState(index=int(cells[0]), name=cells[1], driver_version=cells[2] or None,
+                             sm_clock_mhz=_number(cells[3]), sm_clock_max_mhz=_number(cells[4]),
+                             mem_clock_mhz=_number(cells[5]), mem_clock_max_mhz=_number(cells[6])))
+    return gpus
+
+
+def _gpu_processes(ours: set[int]) -> list[GpuProcess]:
+    out = nvidia_smi(GPU_PROCESS_QUERY)
+    found = []
+    for line in (out or "").splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != 3 or not cells[0].isdigit():
+            continue
+        pid = int(cells[0])
+        found.append(GpuProcess(pid=pid, name=Path(cells[1]).name or cells[1], used_memory_mib=_number(cells[2]),
+                                ours=pid in ours))
+    return found
+
+
+def _own_tree() -> set[int]:
+    """The gate's process, its children (a Prefect server, a worker) and its ancestors (pytest, a CI
+    runner, a Prefect worker): their CPU is the gate's business, not a neighbour's."""
+    me = psutil.Process()
+    ours = {me.pid}
+    for related in (me.children(recursive=True), me.parents()):
+        ours.update(p.pid for p in related)
+    return ours
+
+
+def _other_cpu_users(sample_s: float) -> list[CpuUser]:
+    """Every process outside the gate's tree and ancestors that held at least a hundredth of a core
+    during ``sample_s``, busiest first (processes that start during the sample are not seen)."""
+    procs: list[psutil.Process] = []
+    for proc in psutil.process_iter(["name", "username"]):
+        try:
+            proc.cpu_percent(None)  # starts the process's sample
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        procs.append(proc)
+    before = _own_tree()
+    time.sleep(sample_s)
+    ours = before | _own_tree()
+    users = []
+    for proc in procs:
+        if proc.pid in ours or proc.pid == 0:
+            continue
+        try:
+            cores = proc.cpu_percent(None) / 100.0
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if cores >= _SHOWN_CPU_USERS:
+            users.append(CpuUser(pid=proc.pid, name=proc.info.get("name") or "?", username=proc.info.get("username"),
+                                 cpu_cores=round(cores, 3)))
+    return sorted(users, key=lambda u: -u.cpu_cores)
+
+
+def _check(cfg: "HostConfig", gpu_processes: list[GpuProcess]) -> HostCheck:
+    users = _other_cpu_users(cfg.sample_s)
+    held = round(sum(u.cpu_cores for u in users), 3)
+    problems = []
+    if held > cfg.max_other_cpu_cores:
+        named = ", ".join(f"pid {u.pid} {u.name} ({u.cpu_cores:.2f} core)" for u in users[:8])
+        more = f" and {len(users) - 8} more" if len(users) > 8 else ""
+        problems.append(f"other processes held {held:.2f} CPU cores over {cfg.sample_s:g} s, more than "
+                        f"host.max_other_cpu_cores = {cfg.max_other_cpu_cores:g}: {named}{more}; run the gate when "
+                        f"they are done or on a quiet machine (or raise host.max_other_cpu_cores, knowing that "
+                        f"they share the CPU with what is measured)")
+    foreign = [p for p in gpu_processes if not p.ours]
+    if foreign and not cfg.foreign_gpu_processes:
+        named = ", ".join(f"pid {p.pid} {p.name} ({p.used_memory_mib:g} MiB)" if p.used_memory_mib is not None
+                          else f"pid {p.pid} {p.name}" for p in foreign)
+        problems.append(f"compute processes that are not the gate's run on the GPU: {named}; stop them, or set "
+                        f"host.foreign_gpu_processes = true to measure beside them")
+    return HostCheck(sample_s=cfg.sample_s, max_other_cpu_cores=cfg.max_other_cpu_cores, other_cpu_cores=held,
+                     cpu_users=users, foreign_gpu_processes=foreign, problems=problems)
+
+
+def record_host(config: "GateConfig") -> HostRecord:
+    """The environment record of this machine for ``config``'s gate, with the checks' findings when
+    ``host.enabled`` (their sample takes ``host.sample_s``). Never raises for what it finds:
+    :meth:`HostRecord.raise_for_problems` does."""
+    threads = {"gate": thread_settings(os.environ), "worker": thread_settings(_worker_environ(config.worker))}
+    if config.baseline is not None:
+        threads["baseline"] = thread_settings(_worker_environ(config.baseline))
+    torch = sys.modules.get("torch")
+    gpu_processes = _gpu_processes(_own_tree())
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return HostRecord(
+        machine=collect_host_info(), load_avg=None if load is None else tuple(round(x, 2) for x in load),
+        cpus=_cpu_frequencies(), threads=threads,
+        torch_threads=torch.get_num_threads() if torch is not None else None,
+        gpus=_gpus(), gpu_processes=gpu_processes,
+        check=_check(config.host, gpu_processes) if config.host.enabled else None)
+
+
+def _what_matters(record: Mapping[str, Any]) -> dict[str, Any]:
+    machine = record.get("machine") or {}
+    governors = sorted({c.get("governor") for c in record.get("cpus") or [] if c.get("governor")})
+    drivers = sorted({g.get("driver_version") for g in record.get("gpus") or [] if g.get("driver_version")})
+    return {"CPU model": machine.get("cpu_model"), "logical CPUs": machine.get("cpu_count_logical"),
+            "thread settings": record.get("threads") or {}, "CPU governor": governors or None,
+            "GPU driver": drivers or None, "GPUs": [g.get("name") for g in record.get("gpus") or []] or None}
+
+
+def environment_differences(current: Mapping[str, Any] | HostRecord | None,
+                            baseline: Mapping[str, Any] | None, baseline_run: str = "the baseline") -> list[str]:
+    """One line per thing that moves the figures and differs between ``current``'s environment
+    record and ``baseline``'s (their ``host.json`` documents); nothing when either has none (a run
+    from before the records)."""
+    if current is None or baseline is None:
+        return []
+    if isinstance(current, HostRecord):
+        current = current.model_dump(mode="json")
+    now, then = _what_matters(current), _what_matters(baseline)
+    return [f"{what} differs from {baseline_run}'s: {then[what]!r} there, {now[what]!r} here"
+            for what in now if now[what] != then[what]]

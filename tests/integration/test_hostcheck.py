@@ -1,0 +1,156 @@
+"""Host checks and the environment record (issue 19): a real gate run beside a real busy process is
+inconclusive with the host-check reason; a run on a quiet host keeps its record in the run folder and
+in the history; nvidia-smi (which cannot run here) is a fake executable that records its exact command."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from servegate.config import load_config
+from servegate.history import Store
+from servegate.hostcheck import GPU_PROCESS_QUERY, GPU_QUERY, environment_differences, record_host
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+from e2eutil import gate_env, stdout_json, worker_processes  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+# Every measurement stage off: the host stage runs, nothing is launched, the run is recorded.
+NOTHING_MEASURED = ["--set", "one_batch.enabled=false", "--set", "serving.enabled=false",
+                    "--set", "occupancy.enabled=false", "--set", "quality.enabled=false"]
+
+
+def _gate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
+           "--json", *args]
+    return subprocess.run(cmd, cwd=REPO, env={**gate_env(tmp_path), **(env or {})}, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_a_core_kept_busy_by_another_process_makes_the_gate_inconclusive(tmp_path: Path):
+    """A busy-loop neighbour holds a whole core (twice the default allowance of half a core): the gate
+    measures nothing, exits 2, and names the neighbour. The stages are the smoke gate's, shortened:
+    a check that did not fire would launch the worker and pass."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        proc = _gate(tmp_path, "--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false",
+                     "--set", "quality.enabled=false", "--set", "serving.num_prompts=4")
+    finally:
+        busy.kill()
+        busy.wait(timeout=10)
+    verdict = stdout_json(proc)
+    assert proc.returncode == 2, f"{verdict}\n{proc.stderr[-3000:]}"
+    assert verdict["status"] == "inconclusive" and verdict["breaches"] == []
+    host_errors = [e for e in verdict["infra_errors"] if e.startswith("host: InfraError: host check failed: other "
+                                                                       "processes held")]
+    assert len(host_errors) == 1 and "\n" not in host_errors[0], verdict["infra_errors"]
+    run_dir = Path(verdict["run_dir"])
+    record = json.loads((run_dir / "host.json").read_text())
+    neighbour = [u for u in record["check"]["cpu_users"] if u["pid"] == busy.pid]
+    # On a loaded 2-core machine the neighbour shares its core; alone it holds ~1.0.
+    assert neighbour and neighbour[0]["cpu_cores"] >= 0.3, record["check"]
+    if record["check"]["cpu_users"].index(neighbour[0]) < 8:  # the reason names the busiest eight
+        assert f"pid {busy.pid} python" in host_errors[0], host_errors[0]
+    stages = json.loads((run_dir / "stages.json").read_text())
+    assert stages["host"]["status"] == "failed"
+    assert all(stages[s]["status"] == "skipped" for s in ("launch", "warmup", "serving")), stages
+    assert not (run_dir / "worker.log").exists() and not list(run_dir.glob("serving_*"))
+    assert not worker_processes(tmp_path)
+    with Store(str(tmp_path / "history.db")) as store:
+        row = store.get_run(run_dir.name)
+    assert row.status == "inconclusive" and row.manifest["environment"] == record
+
+
+def test_a_quiet_host_is_recorded_in_the_run_folder_and_the_history(tmp_path: Path):
+    """The allowance is raised past what the machine could hold, so that the record is tested on a
+    machine that other tests keep busy; the thread settings of the gate and the worker are recorded."""
+    cores = os.cpu_count() or 1
+    proc = _gate(tmp_path, *NOTHING_MEASURED, "--set", f"host.max_other_cpu_cores={4 * cores}",
+                 "--set", "host.sample_s=0.5", "--set", 'worker.env.OMP_NUM_THREADS="1"',
+                 env={"OMP_NUM_THREADS": "3", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    verdict = stdout_json(proc)
+    assert not any(e.startswith("host") for e in verdict["infra_errors"]), verdict
+    run_dir = Path(verdict["run_dir"])
+    stages = json.loads((run_dir / "stages.json").read_text())
+    assert stages["host"]["status"] == "ok", stages["host"]
+    record = json.loads((run_dir / "host.json").read_text())
+    assert record["check"]["problems"] == [] and record["check"]["sample_s"] == 0.5
+    assert record["threads"]["gate"] == {"OMP_NUM_THREADS": "3", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert record["threads"]["worker"] == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert record["machine"]["cpu_count_logical"] == cores and len(record["load_avg"]) == 3
+    # pytest, the gate's ancestor, is never counted as a neighbour
+    assert os.getpid() not in [u["pid"] for u in record["check"]["cpu_users"]]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["environment"] == record
+    with Store(str(tmp_path / "history.db")) as store:
+        assert store.get_run(run_dir.name).manifest["environment"] == record
+
+
+FAKE_SMI = """#!{python}
+import json, sys
+with open({log!r}, "a") as fh:
+    fh.write(json.dumps(sys.argv[1:]) + "\\n")
+args = sys.argv[1:]
+if args[0] == "--query-gpu=name,memory.total":
+    print("NVIDIA H200, 143771 MiB")
+elif args[0].startswith("--query-gpu="):
+    print("0, NVIDIA H200, 570.86.15, 1980, 1980, 3201, 3201")
+elif args[0].startswith("--query-compute-apps="):
+    print("{ours}, /usr/bin/python3, 1024")
+    print("4242, /opt/other/bin/trainer, 70000")
+    print("4343, [Not Found], [N/A]")
+"""
+
+
+def test_nvidia_smi_is_queried_with_the_exact_commands_and_foreign_gpu_processes_fail(tmp_path: Path,
+                                                                                        monkeypatch):
+    log = tmp_path / "smi.log"
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI.format(python=sys.executable, log=str(log), ours=os.getpid()))
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    config = load_config(profile="smoke", overrides=["host.sample_s=0.2", "host.max_other_cpu_cores=1000"])
+
+    record = record_host(config)
+
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(calls) == sorted([GPU_PROCESS_QUERY, GPU_QUERY, ["--query-gpu=name,memory.total",
+                                                                   "--format=csv,noheader"]])
+    assert GPU_QUERY == ["--query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem",
+                         "--format=csv,noheader,nounits"]
+    assert GPU_PROCESS_QUERY == ["--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"]
+    assert record.machine.gpus == ["NVIDIA H200, 143771 MiB"]
+    [gpu] = record.gpus
+    assert (gpu.name, gpu.driver_version, gpu.sm_clock_mhz, gpu.mem_clock_max_mhz) == ("NVIDIA H200", "570.86.15",
+                                                                                      1980.0, 3201.0)
+    assert [(p.pid, p.ours) for p in record.gpu_processes] == [(os.getpid(), True), (4242, False), (4343, False)]
+    [problem] = record.check.problems
+    assert problem.startswith("compute processes that are not the gate's run on the GPU: pid 4242 trainer "
+                              "(70000 MiB), pid 4343 [Not Found];"), problem
+    with pytest.raises(Exception, match="host check failed: compute processes"):
+        record.raise_for_problems()
+
+    allowed = record_host(config.model_copy(update={"host": config.host.model_copy(
+        update={"foreign_gpu_processes": True})}))
+    assert allowed.check.problems == [] and len(allowed.check.foreign_gpu_processes) == 2
+
+    # A baseline run on another driver with other thread settings: the comparison says so.
+    baseline = record.model_dump(mode="json")
+    baseline["gpus"][0]["driver_version"] = "550.54.14"
+    baseline["threads"]["worker"] = {"OMP_NUM_THREADS": "8"}
+    notes = environment_differences(record, baseline, "run r1")
+    assert [n.split(" differs")[0] for n in notes] == ["thread settings", "GPU driver"], notes
+    assert "['550.54.14'] there, ['570.86.15'] here" in notes[1]
+    assert environment_differences(record, record.model_dump(mode="json")) == []
+    assert environment_differences(record, None) == []
