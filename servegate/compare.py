@@ -56,6 +56,7 @@ from servegate.baseline import Baseline, BaselinePolicy, resolve_baseline
 from servegate.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, Samples, between_run_sd, ratio_ci_median,
                                  ratio_ci_quantile, ratio_ci_quantile_clustered)
 from servegate.errors import ConfigError
+from servegate.hostcheck import environment_differences
 from servegate.gated_metrics import (GATED_METRICS, Direction, GatedMetric, extract_requests, extract_samples,
                                      resolution_log)
 from servegate.history import GateKey, Store
@@ -230,7 +231,8 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
                 policy: BaselinePolicy | None = None, metrics: Sequence[GatedMetric] = GATED_METRICS,
                 bound: float = DEFAULT_BOUND, tail_bound: float = DEFAULT_TAIL_BOUND,
                 confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
-                exclude_run: str | None = None, calibration: Mapping[str, Any] | None = None) -> pd.DataFrame:
+                exclude_run: str | None = None, calibration: Mapping[str, Any] | None = None,
+                environment: Mapping[str, Any] | Any | None = None) -> pd.DataFrame:
     """Compare a run with its key's baseline (chosen by ``policy``) and return the comparison table.
 
     ``run``: a recorded run id (its tables are read from the store, its key and run group
@@ -239,12 +241,17 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
     The table's ``attrs["baseline"]`` holds :meth:`Baseline.as_dict`, ``attrs["calibration"]``
     :func:`calibration_summary` of the key's latest calibration (``calibration``, when given,
     is used instead of the stored one); its run noise floors the run-to-run term.
+    ``attrs["environment"]``: one line per thing that moves the figures and differs between the run's
+    environment record (``environment``, a recorded run's own by default) and the baseline runs'
+    (:func:`servegate.hostcheck.environment_differences`): said, never a failure.
     """
     if isinstance(run, str):
         record = store.get_run(run)
         if key is not None and key != record.key:
             raise ConfigError(f"run {run} belongs to gate {record.key}, not {key}")
         key, current, exclude_run = record.key, store.tables(run), run
+        if environment is None:
+            environment = record.manifest.get("environment")
     else:
         if key is None:
             raise ConfigError("compare_run with tables needs the gate key (GateKey.from_run(manifest, config))")
@@ -266,6 +273,8 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
                 value = fig.get(col)
                 df.loc[df.index[i], col] = math.nan if value is None else float(value)
     df.attrs["baseline"] = baseline.as_dict()
+    df.attrs["environment"] = environment_differences(
+        environment, [(r.run_id, r.manifest.get("environment")) for r in baseline.runs] if baseline_tables else [])
     df.attrs["calibration"] = calibration_summary(calibration, bound, tail_bound)
     return df
 

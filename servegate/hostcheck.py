@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -281,14 +281,22 @@ def _what_matters(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def environment_differences(current: Mapping[str, Any] | HostRecord | None,
-                            baseline: Mapping[str, Any] | None, baseline_run: str = "the baseline") -> list[str]:
-    """One line per thing that moves the figures and differs between ``current``'s environment
-    record and ``baseline``'s (their ``host.json`` documents); nothing when either has none (a run
-    from before the records)."""
-    if current is None or baseline is None:
+                            baselines: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
+    """One line per thing that moves the figures and differs between ``current``'s environment record
+    and the records of the baseline runs (``[(run_id, host.json document or None)]``); a run without
+    a record (recorded before them) is left out, and so is everything when ``current`` has none."""
+    if current is None:
         return []
     if isinstance(current, HostRecord):
         current = current.model_dump(mode="json")
-    now, then = _what_matters(current), _what_matters(baseline)
-    return [f"{what} differs from {baseline_run}'s: {then[what]!r} there, {now[what]!r} here"
-            for what in now if now[what] != then[what]]
+    now = _what_matters(current)
+    differing: dict[tuple[str, str], list[str]] = {}
+    for run_id, record in baselines:
+        if record is None:
+            continue
+        then = _what_matters(record)
+        for what in now:
+            if now[what] != then[what]:
+                differing.setdefault((what, repr(then[what])), []).append(run_id)
+    return [f"{what} differs from the baseline's ({', '.join(runs)}): {then} there, {now[what]!r} here"
+            for (what, then), runs in differing.items()]

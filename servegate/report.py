@@ -38,6 +38,7 @@ from servegate.baseline import BaselinePolicy
 from servegate.compare import compare_run
 from servegate.errors import ConfigError
 from servegate.gated_metrics import GATED_METRICS, GatedMetric
+from servegate.hostcheck import environment_differences
 from servegate.history import RunRecord, Store
 from servegate.plots import (cdf_plot, occupancy_plot, one_batch_plot, paired_interval_plot, paired_ratio_plot,
                              speculated, speculation_plot, trend_plot)
@@ -349,10 +350,13 @@ def build_report(store: Store, run_id: str, *, policy: BaselinePolicy | None = N
     if not any(rec.run_id == record.run_id for rec, _ in history):
         history.append((record, {k: v for k, v in tables.items() if k in needed}))
     manifest = record.manifest
+    differs = environment_differences(manifest.get("environment"), [
+        (rid, store.get_run(rid).manifest.get("environment")) for rid in baseline.get("run_ids") or []])
     provenance = {"gate key": str(record.key), "started": record.started_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
                   "branch": record.branch, "git revision": record.git_revision,
                   "servegate": manifest.get("servegate_version"), "seeds": manifest.get("seeds"),
-                  "host": (manifest.get("host") or {}).get("hostname"), "run folder": record.run_dir}
+                  "host": (manifest.get("host") or {}).get("hostname"), "run folder": record.run_dir,
+                  "environment differs": "; ".join(differs)}
     provenance = {k: v for k, v in provenance.items() if v}
     return render_report(run_id=record.run_id, key=str(record.key), verdict=record.verdict, tables=tables,
                          comparison=comparison, baseline=baseline, baseline_tables=baseline_tables, history=history,
@@ -492,6 +496,7 @@ def write_markdown_summary(verdict: Mapping[str, Any] | Any, outcomes: Iterable[
         # by several rows said once above the table.
         others = [r for r in records if r.get("gated") != True]  # noqa: E712 - numpy's True_ is not True
         lines += ["\n### Comparison with the baseline", f"Baseline: {policy}"]
+        lines += [f"\nEnvironment: {markdown_text(n)}" for n in comparison.attrs.get("environment") or []]
         if others:
             notes = [r.get("reason") if isinstance(r.get("reason"), str) else "" for r in others]
             counts = {n: notes.count(n) for n in notes if n}

@@ -30,8 +30,9 @@ def compare(run: GateRun, measured: list[StageResult]) -> StageResult | State:
         key = GateKey.from_run(run.folder.manifest.model_dump(mode="json"), run.config_snapshot())
         with Store(run.config.store.url) as store:
             table = compare_run(store, tables, key, policy=policy, bound=cfg.bound, tail_bound=cfg.tail_bound,
-                                exclude_run=run.attempt_of)
+                                exclude_run=run.attempt_of, environment=run.folder.manifest.environment)
         result.notes["calibration"] = table.attrs.pop("calibration", None)
+        result.remarks.extend(table.attrs.get("environment") or [])
         result.tables["comparison"] = table
     if result.ok:
         shown = result.tables["comparison"][["metric", "case", "ratio", "ci_low", "ci_high", "decision",

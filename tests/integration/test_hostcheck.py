@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -149,8 +150,46 @@ def test_nvidia_smi_is_queried_with_the_exact_commands_and_foreign_gpu_processes
     baseline = record.model_dump(mode="json")
     baseline["gpus"][0]["driver_version"] = "550.54.14"
     baseline["threads"]["worker"] = {"OMP_NUM_THREADS": "8"}
-    notes = environment_differences(record, baseline, "run r1")
+    same = record.model_dump(mode="json")
+    notes = environment_differences(record, [("r1", baseline), ("r2", same), ("r3", baseline), ("r4", None)])
     assert [n.split(" differs")[0] for n in notes] == ["thread settings", "GPU driver"], notes
-    assert "['550.54.14'] there, ['570.86.15'] here" in notes[1]
-    assert environment_differences(record, record.model_dump(mode="json")) == []
-    assert environment_differences(record, None) == []
+    assert notes[1] == "GPU driver differs from the baseline's (r1, r3): ['550.54.14'] there, ['570.86.15'] here"
+    assert environment_differences(record, [("r2", same), ("r4", None)]) == []
+    assert environment_differences(None, [("r1", baseline)]) == []
+
+
+def test_a_baseline_measured_in_another_environment_is_named_by_the_comparison_and_the_reports(tmp_path: Path):
+    """Recorded baseline runs (a real SQLite history): one with other worker thread settings, one in
+    the same environment, one from before the records; the comparison, summary.md and report.html
+    say what differs, and nothing fails because of it."""
+    from test_store import KEY, T0, run_inputs, synthetic_tables
+
+    from servegate.compare import compare_run
+    from servegate.report import build_report, write_markdown_summary
+
+    here = record_host(load_config(profile="smoke", overrides=["host.enabled=false"])).model_dump(mode="json")
+    other = json.loads(json.dumps(here))
+    other["threads"]["worker"] = {"OMP_NUM_THREADS": "8"}
+    with Store(str(tmp_path / "history.db")) as store:
+        for i, environment in enumerate([other, here, None, other]):
+            inputs = run_inputs(f"night-{i}", started_at=T0 + timedelta(days=i), seed=i)
+            if environment is not None:
+                inputs["manifest"]["environment"] = environment
+            store.record_run(**inputs)
+        current = synthetic_tables(99)
+        comparison = compare_run(store, current, KEY, environment=here)
+        [note] = comparison.attrs["environment"]
+        assert note == ("thread settings differs from the baseline's (night-3, night-0): "
+                        f"{other['threads']!r} there, {here['threads']!r} here"), note
+        assert "regression" not in set(comparison["decision"])
+        summary = write_markdown_summary({"status": "pass"}, [], comparison)
+        assert "\nEnvironment: thread settings differs from the baseline's (night-3, night-0)" in summary
+
+        inputs = run_inputs("night-4", started_at=T0 + timedelta(days=4), seed=99,
+                            tables={**current, "comparison": comparison})
+        inputs["manifest"]["environment"] = here
+        store.record_run(**inputs)
+        report = build_report(store, "night-4")
+        assert "<dt>environment differs</dt><dd>thread settings differs from the baseline&#x27;s (night-3, night-0)" \
+            in report
+        assert compare_run(store, "night-4").attrs["environment"] == [note]
