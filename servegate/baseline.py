@@ -34,6 +34,7 @@ __all__ = [
     "Baseline",
     "resolve_baseline",
     "active_pin",
+    "pin_in_force",
     "last_distribution_change",
     "pin",
     "unpin",
@@ -95,8 +96,13 @@ def last_distribution_change(store: Store, key: GateKey) -> dict[str, Any] | Non
 
 def active_pin(store: Store, key: GateKey) -> dict[str, Any] | None:
     """The pin in force for ``key``: the latest pin not followed by an unpin or a distribution change."""
+    return pin_in_force(store.baseline_actions(key))
+
+
+def pin_in_force(actions: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pin in force after ``actions`` (a key's baseline actions in recorded order), or None."""
     current = None
-    for action in store.baseline_actions(key):
+    for action in actions:
         if action["action"] == "pin":
             current = action
         elif action["action"] in ("unpin", "distribution_change"):
@@ -166,9 +172,12 @@ def pin(store: Store, run_id: str, *, reason: str, actor: str | None = None) -> 
 
 def unpin(store: Store, key: GateKey, *, reason: str, actor: str | None = None) -> int:
     """Remove ``key``'s pin; the baseline policy applies again."""
-    if active_pin(store, key) is None:
-        raise ConfigError(f"no run is pinned for {key}; nothing to unpin (see `servegate baseline show {key}`)")
-    return store.record_baseline_action(key, "unpin", reason=reason, actor=actor)
+    def pinned(actions: list[dict[str, Any]]) -> None:
+        # Checked under the store's write lock: of two unpins racing, the second finds nothing to unpin.
+        if pin_in_force(actions) is None:
+            raise ConfigError(f"no run is pinned for {key}; nothing to unpin (see `servegate baseline show {key}`)")
+
+    return store.record_baseline_action(key, "unpin", reason=reason, actor=actor, check=pinned)
 
 
 def mark_distribution_change(store: Store, key: GateKey, *, reason: str, actor: str | None = None,

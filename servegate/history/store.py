@@ -19,13 +19,13 @@ number; the original measurements stay. A run group's *effective* record is its 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import pandas as pd
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from servegate import jsonio
 from servegate.errors import ConfigError
@@ -144,9 +144,14 @@ class Store:
         return run_id
 
     def record_baseline_action(self, key: GateKey, action: str, *, reason: str, actor: str | None = None,
-                               run_id: str | None = None, at: datetime | None = None) -> int:
+                               run_id: str | None = None, at: datetime | None = None,
+                               check: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
         """Record a release manager's baseline action (who, when, why); return its id.
-        Use :mod:`servegate.baseline` (``pin``, ``unpin``, ``mark_distribution_change``) rather than this."""
+        Use :mod:`servegate.baseline` (``pin``, ``unpin``, ``mark_distribution_change``) rather than this.
+
+        ``check`` is called with ``key``'s actions so far (as :meth:`baseline_actions` gives them) inside
+        the write transaction, under the store's write lock, and may raise to refuse the action: what
+        it checks (e.g. that a pin is in force) stays true until the action is recorded."""
         if action not in BASELINE_ACTIONS:
             raise ConfigError(f"unknown baseline action {action!r}; choose one of {list(BASELINE_ACTIONS)}")
         if not reason or not reason.strip():
@@ -156,6 +161,8 @@ class Store:
                    run_id=run_id, reason=reason.strip(), actor=actor, at=naive_utc(at))
         check_lengths(baseline_actions, [row])
         with self._db.writing(f"recording baseline action {action}") as conn:
+            if check is not None:
+                check(self._baseline_actions(conn, key))
             result = conn.execute(sa.insert(baseline_actions).values(**row))
             return int(result.inserted_primary_key[0])
 
@@ -297,8 +304,11 @@ class Store:
     def baseline_actions(self, key: GateKey) -> list[dict[str, Any]]:
         """Every baseline action recorded for ``key``, in the order they were recorded (a
         distribution change may carry an earlier effective ``at``; it still cancels earlier pins)."""
-        where = key_match(baseline_actions, key)
         with self._db.reading("reading baseline actions") as conn:
-            rows = conn.execute(sa.select(baseline_actions).where(where)
-                                .order_by(baseline_actions.c.id)).mappings().all()
+            return self._baseline_actions(conn, key)
+
+    @staticmethod
+    def _baseline_actions(conn: Connection, key: GateKey) -> list[dict[str, Any]]:
+        rows = conn.execute(sa.select(baseline_actions).where(key_match(baseline_actions, key))
+                            .order_by(baseline_actions.c.id)).mappings().all()
         return [{**dict(r), "at": aware_utc(r["at"])} for r in rows]

@@ -88,7 +88,7 @@ def _watch(store: Store, url: str, expect: int) -> dict[str, Any]:
 def _act(store: Store, url: str, action: str, arg: Any) -> Any:
     """One racer's move: ``read`` the history, ``record`` a run, record a ``rerun`` (run id, of),
     ``record_big`` (run id, start time), ``watch`` while others write (runs expected), or ``pin`` a run
-    with ``servegate baseline pin``."""
+    with ``servegate baseline pin``, or ``unpin`` the key (racer number)."""
     if action == "read":
         return [r.run_id for r in store.runs()]
     if action == "record":
@@ -103,6 +103,10 @@ def _act(store: Store, url: str, action: str, arg: Any) -> Any:
         if code != 0:
             raise RuntimeError(f"servegate baseline pin {arg} exited {code}: {err.strip()[-500:]}")
         return out.strip()
+    if action == "unpin":  # the exit code and stderr: all but one racer must be refused
+        code, _, err = _cli("baseline", "unpin", str(KEY), "--reason", f"race {arg}", "--actor", f"racer-{arg}",
+                            "--db", url)
+        return code, err.strip()
     run_id, attempt_of = arg
     recorded = store.record_run(**_tiny_run(run_id), attempt_of=attempt_of)
     return recorded, store.get_run(recorded).attempt
@@ -300,4 +304,27 @@ def test_baseline_pin_calls_racing_leave_one_pin_in_force(racers: Racers, new_st
         code, out, _ = _cli("baseline", "show", str(KEY), "--db", url)
         if code != 0 or f"baseline pinned {last} by {last}: {last}" not in out:
             failures.append(f"trial {trial}: baseline show ({code}): {out[:300]}")
+    assert not failures, f"{len(failures)} failures, e.g. {failures[:3]}"
+
+
+@pytest.mark.timeout(300)
+def test_baseline_unpin_calls_racing_unpin_once(racers: Racers, new_store_url: Callable[[], str]) -> None:
+    """Six ``servegate baseline unpin`` calls at once on a pinned key: one unpins, five are told there is
+    nothing to unpin (exit 2), and one unpin is recorded, not six (the pin is checked under the write lock)."""
+    failures: list[str] = []
+    for trial in range(GATE_TRIALS):
+        url = new_store_url()
+        seeded = _seed(url, 2)
+        code, _, err = _cli("baseline", "pin", seeded[0], "--reason", "before the race", "--db", url)
+        assert code == 0, err
+        outcomes = racers.race([(url, "unpin", i) for i in range(RACERS)])
+        failures += [f"trial {trial}: {e}" for e in _errors(outcomes)]
+        codes = sorted(code for status, (code, _) in outcomes if status == "ok")
+        refused = [err for status, (code, err) in outcomes if status == "ok" and code == 2]
+        if codes != [0] + [2] * (RACERS - 1) or not all("nothing to unpin" in e for e in refused):
+            failures.append(f"trial {trial}: exit codes {codes}, refusals {refused[:2]}")
+        with Store(url) as store:
+            unpins = [a for a in store.baseline_actions(KEY) if a["action"] == "unpin"]
+            if len(unpins) != 1 or active_pin(store, KEY) is not None:
+                failures.append(f"trial {trial}: {len(unpins)} unpins recorded, pin in force {active_pin(store, KEY)}")
     assert not failures, f"{len(failures)} failures, e.g. {failures[:3]}"
