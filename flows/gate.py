@@ -1,4 +1,5 @@
-"""The regression gate: host -> launch -> warmup -> (flush -> measure)* -> paired -> compare -> validate -> verdict -> record.
+"""The regression gate: host -> launch -> warmup -> (flush -> measure)* -> paired -> compare -> validate -> verdict
+-> record.
 
 Deployment entrypoint: ``flows/gate.py:regression_gate``. ``measure_and_decide`` is the body the
 gate and the re-run flow share: each task returns its stage's result and the flow passes the

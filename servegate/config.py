@@ -478,7 +478,8 @@ class HostConfig(_Model):
         "most CPU that processes outside the gate's own tree and its ancestors may hold during the sample, in "
         "cores (0.5 = half a core): a busy-loop neighbour holds 1.0, an idle CI runner ~0.05"))
     foreign_gpu_processes: bool = Field(False, description=(
-        "allow compute processes on the GPU that are not the gate's (nvidia-smi); false: they fail the check"))
+        "allow compute processes that are not the gate's on the GPUs its workers see (nvidia-smi; "
+        "CUDA_VISIBLE_DEVICES, all GPUs when unset); false: they fail the check"))
 
 
 class ReportConfig(_Model):

@@ -43,9 +43,9 @@ __all__ = ["THREAD_VARIABLES", "CpuFrequency", "CpuUser", "GpuState", "GpuProces
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_NUM_THREADS")
 """Thread settings recorded by name; every ``VLLM_CPU_*`` variable is recorded too."""
 
-GPU_QUERY = ["--query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem",
+GPU_QUERY = ["--query-gpu=index,uuid,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem",
              "--format=csv,noheader,nounits"]
-GPU_PROCESS_QUERY = ["--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"]
+GPU_PROCESS_QUERY = ["--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader,nounits"]
 
 _SHOWN_CPU_USERS = 0.01
 """Processes below a hundredth of a core are summed, not listed."""
@@ -72,6 +72,7 @@ class CpuUser(_Record):
 
 class GpuState(_Record):
     index: int
+    uuid: str | None = None
     name: str
     driver_version: str | None = None
     sm_clock_mhz: float | None = None
@@ -84,6 +85,7 @@ class GpuProcess(_Record):
     pid: int
     name: str
     used_memory_mib: float | None = None
+    gpu_uuid: str | None = None
     ours: bool = Field(description="the gate's own process tree")
 
 
@@ -94,6 +96,8 @@ class HostCheck(_Record):
     max_other_cpu_cores: float = Field(description="host.max_other_cpu_cores")
     other_cpu_cores: float = Field(description="CPU held by processes outside the gate's tree and ancestors, cores")
     cpu_users: list[CpuUser] = Field(default_factory=list, description="those processes, busiest first")
+    gpus_checked: list[int] | None = Field(None, description=(
+        "indexes of the GPUs the gate's workers see (CUDA_VISIBLE_DEVICES), whose processes are checked; None: all"))
     foreign_gpu_processes: list[GpuProcess] = Field(default_factory=list)
     problems: list[str] = Field(default_factory=list, description="why the host fails the checks, one line each")
 
@@ -171,11 +175,11 @@ def _gpus() -> list[GpuState]:
     gpus = []
     for line in (out or "").splitlines():
         cells = [c.strip() for c in line.split(",")]
-        if len(cells) != 7 or not cells[0].isdigit():
+        if len(cells) != 8 or not cells[0].isdigit():
             continue
-        gpus.append(GpuState(index=int(cells[0]), name=cells[1], driver_version=cells[2] or None,
-                             sm_clock_mhz=_number(cells[3]), sm_clock_max_mhz=_number(cells[4]),
-                             mem_clock_mhz=_number(cells[5]), mem_clock_max_mhz=_number(cells[6])))
+        gpus.append(GpuState(index=int(cells[0]), uuid=cells[1] or None, name=cells[2], driver_version=cells[3] or None,
+                             sm_clock_mhz=_number(cells[4]), sm_clock_max_mhz=_number(cells[5]),
+                             mem_clock_mhz=_number(cells[6]), mem_clock_max_mhz=_number(cells[7])))
     return gpus
 
 
@@ -184,11 +188,11 @@ def _gpu_processes(ours: set[int]) -> list[GpuProcess]:
     found = []
     for line in (out or "").splitlines():
         cells = [c.strip() for c in line.split(",")]
-        if len(cells) != 3 or not cells[0].isdigit():
+        if len(cells) != 4 or not cells[0].isdigit():
             continue
         pid = int(cells[0])
         found.append(GpuProcess(pid=pid, name=Path(cells[1]).name or cells[1], used_memory_mib=_number(cells[2]),
-                                ours=pid in ours))
+                                gpu_uuid=cells[3] or None, ours=pid in ours))
     return found
 
 
@@ -229,7 +233,22 @@ def _other_cpu_users(sample_s: float) -> list[CpuUser]:
     return sorted(users, key=lambda u: -u.cpu_cores)
 
 
-def _check(cfg: "HostConfig", gpu_processes: list[GpuProcess]) -> HostCheck:
+def _gate_gpus(gpus: list[GpuState], environs: list[Mapping[str, str]]) -> list[int] | None:
+    """The GPUs the gate's workers see: those their ``CUDA_VISIBLE_DEVICES`` name (an index or a UUID
+    prefix), None (all) when a worker's environment leaves it unset. On a machine with a gate per GPU,
+    the other GPUs' processes are other gates', not neighbours of this one's measurement."""
+    seen: set[int] = set()
+    for environ in environs:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            return None
+        for item in (x.strip() for x in visible.split(",") if x.strip()):
+            seen.update(g.index for g in gpus if item == str(g.index) or (g.uuid and g.uuid.startswith(item)))
+    return sorted(seen)
+
+
+def _check(cfg: "HostConfig", gpus: list[GpuState], gpu_processes: list[GpuProcess],
+           checked_gpus: list[int] | None) -> HostCheck:
     users = _other_cpu_users(cfg.sample_s)
     held = round(sum(u.cpu_cores for u in users), 3)
     problems = []
@@ -240,35 +259,40 @@ def _check(cfg: "HostConfig", gpu_processes: list[GpuProcess]) -> HostCheck:
                         f"host.max_other_cpu_cores = {cfg.max_other_cpu_cores:g}: {named}{more}; run the gate when "
                         f"they are done or on a quiet machine (or raise host.max_other_cpu_cores, knowing that "
                         f"they share the CPU with what is measured)")
-    foreign = [p for p in gpu_processes if not p.ours]
+    watched = None if checked_gpus is None else {g.uuid for g in gpus if g.index in checked_gpus}
+    foreign = [p for p in gpu_processes if not p.ours and (watched is None or p.gpu_uuid in watched)]
     if foreign and not cfg.foreign_gpu_processes:
         named = ", ".join(f"pid {p.pid} {p.name} ({p.used_memory_mib:g} MiB)" if p.used_memory_mib is not None
                           else f"pid {p.pid} {p.name}" for p in foreign)
         problems.append(f"compute processes that are not the gate's run on the GPU: {named}; stop them, or set "
                         f"host.foreign_gpu_processes = true to measure beside them")
     return HostCheck(sample_s=cfg.sample_s, max_other_cpu_cores=cfg.max_other_cpu_cores, other_cpu_cores=held,
-                     cpu_users=users, foreign_gpu_processes=foreign, problems=problems)
+                     cpu_users=users, gpus_checked=checked_gpus, foreign_gpu_processes=foreign, problems=problems)
 
 
 def record_host(config: "GateConfig") -> HostRecord:
     """The environment record of this machine for ``config``'s gate, with the checks' findings when
     ``host.enabled`` (their sample takes ``host.sample_s``). Never raises for what it finds:
     :meth:`HostRecord.raise_for_problems` does."""
-    threads = {"gate": thread_settings(os.environ), "worker": thread_settings(_worker_environ(config.worker))}
+    environs = {"worker": _worker_environ(config.worker)}
     if config.baseline is not None:
-        threads["baseline"] = thread_settings(_worker_environ(config.baseline))
+        environs["baseline"] = _worker_environ(config.baseline)
+    threads = {"gate": thread_settings(os.environ), **{k: thread_settings(v) for k, v in environs.items()}}
     torch = sys.modules.get("torch")
     gpu_processes = _gpu_processes(_own_tree())
     try:
         load = os.getloadavg()
     except OSError:
         load = None
+    gpus = _gpus()
+    check = None
+    if config.host.enabled:
+        check = _check(config.host, gpus, gpu_processes, _gate_gpus(gpus, list(environs.values())))
     return HostRecord(
         machine=collect_host_info(), load_avg=None if load is None else tuple(round(x, 2) for x in load),
         cpus=_cpu_frequencies(), threads=threads,
         torch_threads=torch.get_num_threads() if torch is not None else None,
-        gpus=_gpus(), gpu_processes=gpu_processes,
-        check=_check(config.host, gpu_processes) if config.host.enabled else None)
+        gpus=gpus, gpu_processes=gpu_processes, check=check)
 
 
 def _what_matters(record: Mapping[str, Any]) -> dict[str, Any]:

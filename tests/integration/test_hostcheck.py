@@ -104,12 +104,15 @@ with open({log!r}, "a") as fh:
 args = sys.argv[1:]
 if args[0] == "--query-gpu=name,memory.total":
     print("NVIDIA H200, 143771 MiB")
+    print("NVIDIA H200, 143771 MiB")
 elif args[0].startswith("--query-gpu="):
-    print("0, NVIDIA H200, 570.86.15, 1980, 1980, 3201, 3201")
+    print("0, GPU-aaaa-0000, NVIDIA H200, 570.86.15, 1980, 1980, 3201, 3201")
+    print("1, GPU-bbbb-1111, NVIDIA H200, 570.86.15, 345, 1980, 3201, 3201")
 elif args[0].startswith("--query-compute-apps="):
-    print("{ours}, /usr/bin/python3, 1024")
-    print("4242, /opt/other/bin/trainer, 70000")
-    print("4343, [Not Found], [N/A]")
+    print("{ours}, /usr/bin/python3, 1024, GPU-aaaa-0000")
+    print("4242, /opt/other/bin/trainer, 70000, GPU-aaaa-0000")
+    print("4343, [Not Found], [N/A], GPU-aaaa-0000")
+    print("5151, /opt/gate-gpu1/bin/python, 60000, GPU-bbbb-1111")
 """
 
 
@@ -121,34 +124,48 @@ def test_nvidia_smi_is_queried_with_the_exact_commands_and_foreign_gpu_processes
     smi.write_text(FAKE_SMI.format(python=sys.executable, log=str(log), ours=os.getpid()))
     smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
-    config = load_config(profile="smoke", overrides=["host.sample_s=0.2", "host.max_other_cpu_cores=1000"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    overrides = ["host.sample_s=0.2", "host.max_other_cpu_cores=1000"]
+    config = load_config(profile="smoke", overrides=overrides)
 
     record = record_host(config)
 
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(calls) == sorted([GPU_PROCESS_QUERY, GPU_QUERY, ["--query-gpu=name,memory.total",
                                                                    "--format=csv,noheader"]])
-    assert GPU_QUERY == ["--query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem",
-                         "--format=csv,noheader,nounits"]
-    assert GPU_PROCESS_QUERY == ["--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"]
-    assert record.machine.gpus == ["NVIDIA H200, 143771 MiB"]
-    [gpu] = record.gpus
-    assert (gpu.name, gpu.driver_version, gpu.sm_clock_mhz, gpu.mem_clock_max_mhz) == ("NVIDIA H200", "570.86.15",
-                                                                                      1980.0, 3201.0)
-    assert [(p.pid, p.ours) for p in record.gpu_processes] == [(os.getpid(), True), (4242, False), (4343, False)]
+    assert GPU_QUERY == ["--query-gpu=index,uuid,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,"
+                         "clocks.max.mem", "--format=csv,noheader,nounits"]
+    assert GPU_PROCESS_QUERY == ["--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
+                                 "--format=csv,noheader,nounits"]
+    assert record.machine.gpus == ["NVIDIA H200, 143771 MiB"] * 2
+    gpu = record.gpus[1]
+    assert (gpu.uuid, gpu.driver_version, gpu.sm_clock_mhz, gpu.sm_clock_max_mhz) == ("GPU-bbbb-1111", "570.86.15",
+                                                                                      345.0, 1980.0)
+    assert [(p.pid, p.ours) for p in record.gpu_processes] == [(os.getpid(), True), (4242, False), (4343, False),
+                                                                (5151, False)]
     [problem] = record.check.problems
+    assert record.check.gpus_checked is None  # CUDA_VISIBLE_DEVICES unset: the worker sees every GPU
     assert problem.startswith("compute processes that are not the gate's run on the GPU: pid 4242 trainer "
-                              "(70000 MiB), pid 4343 [Not Found];"), problem
+                              "(70000 MiB), pid 4343 [Not Found], pid 5151 python (60000 MiB);"), problem
+    # A gate on GPU 1 of the machine (by index; by UUID prefix for GPU 0): the other GPU's processes are
+    # another gate's business.
+    on_gpu1 = record_host(load_config(profile="smoke", overrides=[*overrides, 'worker.env.CUDA_VISIBLE_DEVICES="1"']))
+    assert on_gpu1.check.gpus_checked == [1] and [p.pid for p in on_gpu1.check.foreign_gpu_processes] == [5151]
+    on_gpu0 = record_host(load_config(profile="smoke", overrides=[*overrides,
+                                                                  'worker.env.CUDA_VISIBLE_DEVICES="GPU-aaaa"']))
+    assert on_gpu0.check.gpus_checked == [0]
+    assert [p.pid for p in on_gpu0.check.foreign_gpu_processes] == [4242, 4343]
     with pytest.raises(Exception, match="host check failed: compute processes"):
         record.raise_for_problems()
 
     allowed = record_host(config.model_copy(update={"host": config.host.model_copy(
         update={"foreign_gpu_processes": True})}))
-    assert allowed.check.problems == [] and len(allowed.check.foreign_gpu_processes) == 2
+    assert allowed.check.problems == [] and len(allowed.check.foreign_gpu_processes) == 3
 
     # A baseline run on another driver with other thread settings: the comparison says so.
     baseline = record.model_dump(mode="json")
-    baseline["gpus"][0]["driver_version"] = "550.54.14"
+    for gpu in baseline["gpus"]:
+        gpu["driver_version"] = "550.54.14"
     baseline["threads"]["worker"] = {"OMP_NUM_THREADS": "8"}
     same = record.model_dump(mode="json")
     notes = environment_differences(record, [("r1", baseline), ("r2", same), ("r3", baseline), ("r4", None)])
