@@ -43,8 +43,9 @@ __all__ = ["THREAD_VARIABLES", "CpuFrequency", "CpuUser", "GpuState", "GpuProces
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_NUM_THREADS")
 """Thread settings recorded by name; every ``VLLM_CPU_*`` variable is recorded too."""
 
-GPU_QUERY = ["--query-gpu=index,uuid,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem",
-             "--format=csv,noheader,nounits"]
+GPU_QUERY = ["--query-gpu=index,uuid,name,driver_version,clocks.current.sm,clocks.max.sm,clocks.current.memory,"
+             "clocks.max.memory", "--format=csv,noheader,nounits"]
+"""Canonical field names (``nvidia-smi --help-query-gpu``): one unknown field fails the whole query."""
 GPU_PROCESS_QUERY = ["--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader,nounits"]
 
 _SHOWN_CPU_USERS = 0.01

@@ -133,8 +133,8 @@ def test_nvidia_smi_is_queried_with_the_exact_commands_and_foreign_gpu_processes
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(calls) == sorted([GPU_PROCESS_QUERY, GPU_QUERY, ["--query-gpu=name,memory.total",
                                                                    "--format=csv,noheader"]])
-    assert GPU_QUERY == ["--query-gpu=index,uuid,name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,"
-                         "clocks.max.mem", "--format=csv,noheader,nounits"]
+    assert GPU_QUERY == ["--query-gpu=index,uuid,name,driver_version,clocks.current.sm,clocks.max.sm,"
+                         "clocks.current.memory,clocks.max.memory", "--format=csv,noheader,nounits"]
     assert GPU_PROCESS_QUERY == ["--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
                                  "--format=csv,noheader,nounits"]
     assert record.machine.gpus == ["NVIDIA H200, 143771 MiB"] * 2
