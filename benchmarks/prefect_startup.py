@@ -11,7 +11,7 @@ prints per mode the medians of:
 
 - ``to_folder_s``: process start -> run folder created (``manifest.started_at``): interpreter,
   imports, config and Prefect's API (the ephemeral server's start-up lands here);
-- ``to_first_stage_s``: process start -> the first stage (``launch``) started: the fixed cost
+- ``to_first_stage_s``: process start -> the first stage (``host``, then ``launch``) started: the fixed cost
   before a gate does its own work (the stage's record appears in ``manifest.json`` when it ends,
   with its duration; the script polls for it, so this is to within ~20 ms);
 - ``wall_s``: process start -> exit (the ephemeral server's shut-down lands here too);
@@ -47,7 +47,8 @@ TINY = ["worker.model=tiny-random", "warmup.num_requests=1", "warmup.max_new_tok
         "one_batch.batch_sizes=[1]", "one_batch.input_lens=[8]", "one_batch.output_lens=[4]",
         "serving.num_prompts=4", "serving.random_input_len=8", "serving.random_output_len=4",
         "serving.request_rate=inf", "occupancy.enabled=false", "quality.enabled=false", "report.html=false",
-        "compare.enabled=false", "validate.expectation_profile=smoke"]
+        "compare.enabled=false", "validate.expectation_profile=smoke",
+        "host.enabled=false"]  # start-up, not a measurement: a busy host must not stop the run
 MODES = ("ephemeral", "running")
 SERVER_START_TIMEOUT_S = 180.0
 
