@@ -83,16 +83,17 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     # stage's record (issue 13: skipped without a baseline worker); verdict.undecided (issue 13);
     # each stage record's remarks (issue 11: a discarded serving attempt is named there); gate.log,
     # where the libraries' log lines go instead of the terminal (issue 14); the capacity stage's
-    # record (issue 16: skipped, off in smoke).
+    # record (issue 16: skipped, off in smoke); the host stage's record and host.json (issue 19: the
+    # environment record and host checks before the first measurement).
     golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*golden["files"], "gate.log"])
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*golden["files"], "gate.log", "host.json"])
     expected = golden["verdict_json"]
     expected["summary"]["not_applicable"] = "int"
     expected["undecided"] = "list"  # issue 13: gated metrics left undecided, apart from infra errors
     assert _schema(json.loads((run_dir / "verdict.json").read_text())) == expected
     assert sorted(verdict) == sorted([*golden["stdout_json_keys"], "undecided"])
     recorded = json.loads((run_dir / "stages.json").read_text())
-    assert sorted(recorded) == sorted([*golden["stages"], "paired", "capacity"])
+    assert sorted(recorded) == sorted([*golden["stages"], "paired", "capacity", "host"])
     assert all(sorted(r) == sorted([*golden["stage_record_keys"], "remarks"]) for r in recorded.values()), recorded
 
 
