@@ -211,3 +211,12 @@ def test_a_baseline_measured_in_another_environment_is_named_by_the_comparison_a
         assert "<dt>environment differs</dt><dd>thread settings differs from the baseline&#x27;s (night-3, night-0)" \
             in report
         assert compare_run(store, "night-4").attrs["environment"] == [note]
+
+
+@pytest.mark.parametrize("bad,says", [("-0.5", "greater than or equal to 0"), ("nan", "finite number"),
+                                      ("true", "must be a number")])
+def test_host_allowance_must_be_a_finite_number_of_cores(bad: str, says: str):
+    from servegate.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"host.max_other_cpu_cores = .*{says}"):
+        load_config(profile="smoke", overrides=[f"host.max_other_cpu_cores={bad}"])

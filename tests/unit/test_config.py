@@ -91,7 +91,7 @@ DURATIONS = {
     "serving.max_dispatch_lag_p99_ms": "milliseconds", "occupancy.scrape_interval_s": "seconds",
     "occupancy.request_timeout_s": "seconds", "quality.request_timeout_s": "seconds", "compare.days": "days",
     "max_wall_s": "seconds", "stage_max_s": "seconds", "paired.max_measure_s": "seconds",
-    "paired.request_timeout_s": "seconds",
+    "paired.request_timeout_s": "seconds", "host.sample_s": "seconds",
 }
 
 
