@@ -78,7 +78,8 @@ def test_a_quiet_host_is_recorded_in_the_run_folder_and_the_history(tmp_path: Pa
     the worker are recorded."""
     cores = os.cpu_count() or 1
     proc = _gate(tmp_path, *NOTHING_MEASURED, "--set", f"host.max_other_cpu_cores={4 * cores}",
-                 "--set", "host.foreign_gpu_processes=true", "--set", "host.sample_s=0.5", "--set", 'worker.env.OMP_NUM_THREADS="1"',
+                 "--set", "host.foreign_gpu_processes=true", "--set", "host.sample_s=0.5",
+                 "--set", 'worker.env.OMP_NUM_THREADS="1"',
                  env={"OMP_NUM_THREADS": "3", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
     verdict = stdout_json(proc)
     assert not any(e.startswith("host") for e in verdict["infra_errors"]), verdict
