@@ -116,7 +116,7 @@ def test_the_gate_passes_end_to_end(gate: GateRun) -> None:
     assert gate.proc.returncode == 0, gate.explain()
     assert gate.verdict["status"] == "pass", gate.explain()
     assert {name: s["status"] for name, s in gate.stages.items()} == {
-        "launch": "ok", "warmup": "ok", "one_batch": "skipped", "flush:serving": "ok", "serving": "ok",
+        "host": "ok", "launch": "ok", "warmup": "ok", "one_batch": "skipped", "flush:serving": "ok", "serving": "ok",
         "occupancy": "not_applicable", "quality": "not_applicable", "capacity": "skipped", "paired": "skipped",
         "compare": "skipped", "validate": "ok"}  # capacity: off by default; paired: no baseline worker configured
     import pandas as pd

@@ -164,7 +164,8 @@ def test_the_queued_candidate_is_a_regression_on_ttft(known_regression: GateRun)
     assert [(b["table"], b["column"], b["observed"]["unexpected_values"]) for b in run.verdict["breaches"]] == \
         [("paired", "decision", ["regression"])], run.explain()
     assert {name: s["status"] for name, s in run.stages.items()} == {
-        "launch": "skipped", "warmup": "skipped", "paired": "ok", "compare": "skipped", "validate": "ok"}
+        "host": "ok", "launch": "skipped", "warmup": "skipped", "paired": "ok", "compare": "skipped",
+        "validate": "ok"}
 
     ttft = run.metric("ttft_median_ms")
     assert (ttft["gated"], ttft["decision"], ttft["direction"]) == (True, "regression", "lower_is_better"), \
