@@ -134,12 +134,13 @@ def thread_settings(environ: Mapping[str, str]) -> dict[str, str]:
 def _worker_environ(spec: "WorkerSpec") -> dict[str, str]:
     from servegate.engines import get_engine
     from servegate.errors import ConfigError
+    from servegate.launch import worker_base_environ  # here: the run folder's import need not pull in requests
 
     try:
         added = get_engine(spec.engine).launch_env(spec)
     except ConfigError:  # a snapshot's redacted secret: the thread settings are still in spec.env
         added = dict(spec.env)
-    return {**os.environ, **added}
+    return {**worker_base_environ(spec), **added}
 
 
 def _read_int(path: Path) -> int | None:
@@ -171,26 +172,23 @@ def _number(text: str) -> float | None:
         return None
 
 
+def _smi_rows(query: list[str], columns: int) -> list[list[str]]:
+    """The rows of an ``nvidia-smi --query-*`` CSV answer (none without nvidia-smi): stripped cells, only
+    rows with ``columns`` cells whose first is a number (an index or a pid)."""
+    rows = ([c.strip() for c in line.split(",")] for line in (nvidia_smi(query) or "").splitlines())
+    return [cells for cells in rows if len(cells) == columns and cells[0].isdigit()]
+
+
 def _gpus() -> list[GpuState]:
-    out = nvidia_smi(GPU_QUERY)
-    gpus = []
-    for line in (out or "").splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != 8 or not cells[0].isdigit():
-            continue
-        gpus.append(GpuState(index=int(cells[0]), uuid=cells[1] or None, name=cells[2], driver_version=cells[3] or None,
-                             sm_clock_mhz=_number(cells[4]), sm_clock_max_mhz=_number(cells[5]),
-                             mem_clock_mhz=_number(cells[6]), mem_clock_max_mhz=_number(cells[7])))
-    return gpus
+    return [GpuState(index=int(c[0]), uuid=c[1] or None, name=c[2], driver_version=c[3] or None,
+                     sm_clock_mhz=_number(c[4]), sm_clock_max_mhz=_number(c[5]),
+                     mem_clock_mhz=_number(c[6]), mem_clock_max_mhz=_number(c[7]))
+            for c in _smi_rows(GPU_QUERY, 8)]
 
 
 def _gpu_processes(ours: set[int]) -> list[GpuProcess]:
-    out = nvidia_smi(GPU_PROCESS_QUERY)
     found = []
-    for line in (out or "").splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != 4 or not cells[0].isdigit():
-            continue
+    for cells in _smi_rows(GPU_PROCESS_QUERY, 4):
         pid = int(cells[0])
         found.append(GpuProcess(pid=pid, name=Path(cells[1]).name or cells[1], used_memory_mib=_number(cells[2]),
                                 gpu_uuid=cells[3] or None, ours=pid in ours))
@@ -271,10 +269,11 @@ def _check(cfg: "HostConfig", gpus: list[GpuState], gpu_processes: list[GpuProce
                      cpu_users=users, gpus_checked=checked_gpus, foreign_gpu_processes=foreign, problems=problems)
 
 
-def record_host(config: "GateConfig") -> HostRecord:
+def record_host(config: "GateConfig", machine: HostInfo | None = None) -> HostRecord:
     """The environment record of this machine for ``config``'s gate, with the checks' findings when
-    ``host.enabled`` (their sample takes ``host.sample_s``). Never raises for what it finds:
-    :meth:`HostRecord.raise_for_problems` does."""
+    ``host.enabled`` (their sample takes ``host.sample_s``). ``machine``: the run manifest's
+    description of the machine, when there is one (collected once per run); else collected here.
+    Never raises for what it finds: :meth:`HostRecord.raise_for_problems` does."""
     environs = {"worker": _worker_environ(config.worker)}
     if config.baseline is not None:
         environs["baseline"] = _worker_environ(config.baseline)
@@ -290,7 +289,7 @@ def record_host(config: "GateConfig") -> HostRecord:
     if config.host.enabled:
         check = _check(config.host, gpus, gpu_processes, _gate_gpus(gpus, list(environs.values())))
     return HostRecord(
-        machine=collect_host_info(), load_avg=None if load is None else tuple(round(x, 2) for x in load),
+        machine=machine or collect_host_info(), load_avg=None if load is None else tuple(round(x, 2) for x in load),
         cpus=_cpu_frequencies(), threads=threads,
         torch_threads=torch.get_num_threads() if torch is not None else None,
         gpus=gpus, gpu_processes=gpu_processes, check=check)

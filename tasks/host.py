@@ -19,7 +19,7 @@ def host(run: GateRun) -> StageResult | State:
     """``host.json`` and the manifest's ``environment``; the stage fails (the run is inconclusive,
     nothing is measured) when the host fails its checks."""
     with run.stage(STAGE) as result:
-        record = record_host(run.config)
+        record = record_host(run.config, machine=run.folder.manifest.host)
         run.folder.write_json("host", record.model_dump(mode="json"))
         run.folder.manifest.environment = record
         run.folder.write_manifest()
