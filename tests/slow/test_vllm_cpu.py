@@ -137,23 +137,29 @@ def test_reset_prefix_cache_is_refused_while_busy_and_flush_waits(vllm_worker: W
     base = vllm_worker.base_url
     with make_session() as session:
         assert engine.flush(session, base, timeout_s=30.0) is True  # idle: flushed at once
-        body = openai_completions_body(served_model_name(session, base), "Once upon a time", 120, stream=False)
+        # Streamed, so that the first token proves the request is in the engine (the running gauge
+        # can lag a step behind, and 120 tokens once ended between a scrape and the reset); 600
+        # tokens keep it running for seconds after that.
+        body = openai_completions_body(served_model_name(session, base), "Once upon a time", 600, stream=True,
+                                       continuous_usage=False)
+        started = threading.Event()
         done = threading.Event()
         outcome: dict[str, object] = {}
 
         def long_request() -> None:
             try:
-                outcome["status"] = requests.post(base + "/v1/completions", json=body, timeout=300).status_code
+                with requests.post(base + "/v1/completions", json=body, stream=True, timeout=300) as response:
+                    outcome["status"] = response.status_code
+                    for line in response.iter_lines():
+                        if line.startswith(b"data:"):
+                            started.set()
             finally:
                 done.set()
 
         worker = threading.Thread(target=long_request, daemon=True)
         worker.start()
-        deadline = time.monotonic() + 60
-        while scrape_metrics(session, base, engine).get("vllm:num_requests_running", [0.0])[0] < 1:
-            assert time.monotonic() < deadline, "the long request never showed as running"
-            assert not done.is_set(), f"the long request ended before it was seen running: {outcome}"
-            time.sleep(0.1)
+        assert started.wait(60), f"the long request never streamed a token: {outcome}"
+        assert not done.is_set(), f"the long request ended at its first token: {outcome}"
         # The protocol fact the engine relies on: 200 with {"success": false} while a request runs.
         refused = session.post(base + "/reset_prefix_cache", timeout=30)
         assert refused.status_code == 200 and refused.json() == {"success": False}
