@@ -48,6 +48,7 @@ __all__ = [
     "StoreConfig",
     "ReportConfig",
     "HostConfig",
+    "CostConfig",
     "PairedConfig",
     "PAIRED_METRICS",
     "GateConfig",
@@ -483,6 +484,25 @@ class HostConfig(_Model):
         "CUDA_VISIBLE_DEVICES, all GPUs when unset); false: they fail the check"))
 
 
+class CostConfig(_Model):
+    """What the worker's machine costs, for the cost per million output tokens (``servegate.cost``).
+
+    Unset (the default), no cost is computed or shown: a cost of 0 would read as a free machine.
+    """
+
+    price_per_hour: Annotated[float | None, BeforeValidator(_not_bool)] = Field(None, description=(
+        "what the worker's machine costs per hour (e.g. 2.5 for an on-demand GPU at 2.50 an hour), finite and "
+        "> 0; unset: no cost figure"))
+    currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="ISO 4217 code of price_per_hour (USD, EUR)")
+
+    @field_validator("price_per_hour")
+    @classmethod
+    def _price(cls, v: float | None) -> float | None:
+        if v is not None and (math.isnan(v) or math.isinf(v) or v <= 0):
+            raise ValueError(f"must be a finite number > 0 (price per hour), got {v!r}; leave it unset for no cost")
+        return v
+
+
 class ReportConfig(_Model):
     html: bool = Field(True, description="write report.html into the run folder (matplotlib plots)")
 
@@ -578,6 +598,7 @@ class GateConfig(_Model):
     store: StoreConfig = Field(default_factory=StoreConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
     host: HostConfig = Field(default_factory=HostConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
     output_dir: str = Field("runs", description="run folders are created under this folder")
     max_wall_s: Seconds = Field(4 * 3600.0, description=(
         "the gate's deadline from its start: a stage still running then is stopped (its worker with it) and "

@@ -17,7 +17,18 @@ __all__ = ["TableSpec", "TABLES", "KNOWN_TABLES", "TABLE_STAGE", "columns", "ONE
            "OFFLINE_ONE_BATCH_COLUMNS", "REQUEST_COLUMNS", "SERVING_SUMMARY_COLUMNS", "SAMPLE_COLUMNS",
            "OCCUPANCY_SUMMARY_COLUMNS", "COMPARISON_COLUMNS", "ACCURACY_COLUMNS", "ITEM_COLUMNS",
            "AGREEMENT_COLUMNS", "AGREEMENT_ROW_COLUMNS", "PAIRED_COLUMNS", "PAIRED_ROUND_COLUMNS",
-           "PAIRED_WORKER_COLUMNS", "CAPACITY_STEP_COLUMNS", "CAPACITY_COLUMNS"]
+           "PAIRED_WORKER_COLUMNS", "CAPACITY_STEP_COLUMNS", "CAPACITY_COLUMNS", "WORKER_COLUMNS", "COST_COLUMNS"]
+
+WORKER_COLUMNS: Final = ["engine", "startup_s", "ready_rss_mib", "peak_rss_mib", "rss_samples",
+                          "rss_sample_interval_s", "peak_through"]
+"""``worker``: the gate's worker, one row. ``startup_s`` from the launch (just before the process starts)
+to the first ready probe; ``ready_rss_mib`` the resident memory of the worker's whole process tree when it
+was ready, ``peak_rss_mib`` its high-water mark from the launch through the end of the stage ``peak_through``
+(sampled every ``rss_sample_interval_s`` with psutil, ``rss_samples`` samples; refreshed after each stage on
+the worker). NaN for an attached ``external`` server (no process of the gate's)."""
+COST_COLUMNS: Final = ["price_per_hour", "currency", "output_throughput", "cost_per_mtok_output"]
+"""``cost`` (only with ``[cost] price_per_hour``): ``cost_per_mtok_output`` = what 10**6 output tokens cost at
+the serving load's ``output_throughput`` (tok/s) on a machine costing ``price_per_hour`` (``currency``)."""
 
 ONE_BATCH_COLUMNS: Final = [
     "run_name", "mode", "protocol", "batch_size", "input_len", "output_len", "repeat", "status", "skip_reason",
@@ -131,9 +142,11 @@ class TableSpec:
 
 
 TABLES: Final[dict[str, TableSpec]] = {t.name: t for t in (
+    TableSpec("worker", "launch", tuple(WORKER_COLUMNS)),
     TableSpec("one_batch", "one_batch", tuple(dict.fromkeys([*ONE_BATCH_COLUMNS, *OFFLINE_ONE_BATCH_COLUMNS]))),
     TableSpec("serving_requests", "serving", tuple(REQUEST_COLUMNS)),
     TableSpec("serving_summary", "serving", tuple(SERVING_SUMMARY_COLUMNS)),
+    TableSpec("cost", "serving", tuple(COST_COLUMNS)),
     TableSpec("occupancy_samples", "occupancy", tuple(SAMPLE_COLUMNS)),
     TableSpec("occupancy_summary", "occupancy", tuple(OCCUPANCY_SUMMARY_COLUMNS)),
     TableSpec("comparison", "compare", tuple(COMPARISON_COLUMNS)),
