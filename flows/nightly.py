@@ -12,19 +12,27 @@ A gate's verdict is its flow run's persisted result (the gate deployments set
 ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``; on many machines the result storage must be
 shared, e.g. ``PREFECT_DEFAULT_RESULT_STORAGE_BLOCK``). A gate run that crashed, was
 cancelled, did not finish in time or left no readable result counts as inconclusive.
+
+A failed or inconclusive matrix sends one message (:mod:`servegate.alerts`: verdict, top regressed
+metrics per gate, baseline and build range, links) through each Prefect notification block named in
+``alert_blocks`` (docs/alerts.md); a pass sends nothing unless ``alert_on_pass``. A message that could
+not be sent is logged as an error and listed under ``alerts`` in the result; the verdict stays.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.exceptions import MissingResult
 from pydantic import BaseModel, ConfigDict, Field
 
+from servegate.alerts import Alert, AlertLinks, compose_alert, send_alert, should_alert
+from servegate.history import Store
 from servegate.tasks._artifacts import publish
 from servegate.verdict import ExitCode
 
@@ -103,10 +111,54 @@ def run_gate(job: GateJob, timeout_s: float) -> dict[str, Any]:
     return gate_outcome(job.deployment, flow_run)
 
 
+@task(name="compose-alert", cache_policy=NO_CACHE)
+def compose_matrix_alert(result: dict[str, Any], links: AlertLinks) -> Alert:
+    """The matrix's one message, from the gates' run folders (baseline builds also from the history
+    database when ``SERVEGATE_DB`` is set here)."""
+    from prefect.runtime import deployment
+
+    title = deployment.name or "nightly-matrix"
+    if not os.environ.get("SERVEGATE_DB"):
+        return compose_alert(result, title=title, links=links)
+    with Store() as store:
+        return compose_alert(result, title=title, links=links, store=store)
+
+
+@task(name="send-alert", cache_policy=NO_CACHE)
+def send_matrix_alert(alert: Alert, block_names: list[str]) -> list[dict[str, Any]]:
+    """Send through each block; a failed send is logged as an error, never raised."""
+    logger = get_run_logger()
+    deliveries = send_alert(alert, block_names)
+    for d in deliveries:
+        if d["sent"]:
+            logger.info("alert sent through notification block %s", d["block"])
+        else:
+            logger.error("ALERT NOT SENT through notification block %s: %s (the matrix verdict stands; "
+                         "check the block with `prefect block inspect %s`)", d["block"], d["error"], d["block"])
+    return deliveries
+
+
+def not_composed(why: str | None, block_names: list[str]) -> list[dict[str, Any]]:
+    """Each block's delivery when the message itself could not be composed (logged as an error)."""
+    get_run_logger().error("ALERT NOT SENT: the matrix's message could not be composed (%s); the verdict stands",
+                           why or "no message")
+    return [{"block": name, "sent": False, "error": f"message not composed: {why}"} for name in block_names]
+
+
 @flow(name="nightly-matrix", log_prints=False, validate_parameters=True)
-def nightly_matrix(gates: list[GateJob], timeout_s: float = 6 * 3600) -> dict[str, Any]:
-    """Run every gate of the matrix at once (the work pools and device slots pace them); one verdict."""
+def nightly_matrix(gates: list[GateJob], timeout_s: float = 6 * 3600, alert_blocks: list[str] | None = None,
+                   alert_links: AlertLinks | None = None, alert_on_pass: bool = False) -> dict[str, Any]:
+    """Run every gate of the matrix at once (the work pools and device slots pace them); one verdict.
+
+    ``alert_blocks``: Prefect notification blocks (``<block-type-slug>/<block-name>``) that get the
+    matrix's one message when it failed or could not decide (and on a pass with ``alert_on_pass``);
+    ``alert_links``: where the message's report and dashboard links point."""
     futures = [run_gate.submit(job, timeout_s) for job in gates]
     result = aggregate([f.result() for f in futures])
     publish("nightly", "matrix", _markdown(result), description=f"nightly matrix: {result['status']}")
+    if alert_blocks and should_alert(result, on_pass=alert_on_pass):
+        # An alert that cannot be composed or sent is logged; it never changes the matrix's verdict.
+        alert = compose_matrix_alert(result, alert_links or AlertLinks(), return_state=True)
+        result["alerts"] = (send_matrix_alert(alert.result(), alert_blocks) if alert.is_completed()
+                            else not_composed(alert.message, alert_blocks))
     return result
