@@ -8,7 +8,9 @@
     rerun      servegate rerun RUN --task STAGE [--set KEY=VALUE ...] [--json]
     engine     servegate engine install|path NAME
     calibrate  servegate calibrate [--profile NAME] [--aa-runs N] [--slowdowns 5,10,30] [--json]
+    bisect     servegate bisect --profile NAME --builds FILE [--good REF] [--bad REF] [--json]
     dashboard  servegate dashboard --out DIR [--key PATTERN] [--since 30d] [--copy-reports]
+    alerts     servegate alerts install --block TYPE/NAME [--deadline-s [NAME=]SECONDS ...] | alerts list
 
 Each module has ``add_arguments(subparsers)``, which adds its command(s) to the main parser and
 sets ``func`` (``args -> ExitCode``, :class:`servegate.verdict.ExitCode`) on each. A module
@@ -23,12 +25,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from servegate.commands import calibrate, dashboard, engine, history, model, profiles, rerun, run, worker
+from servegate.commands import (alerts, bisect, calibrate, dashboard, engine, history, model, profiles, rerun, run,
+                                worker)
 
 __all__ = ["COMMAND_MODULES", "add_commands"]
 
-COMMAND_MODULES: tuple[ModuleType, ...] = (run, worker, model, profiles, history, rerun, engine, calibrate,
-                                              dashboard)
+COMMAND_MODULES: tuple[ModuleType, ...] = (run, worker, model, profiles, history, rerun, engine, calibrate, bisect,
+                                              dashboard, alerts)
 """In the order ``servegate --help`` lists them."""
 
 
