@@ -165,7 +165,8 @@ def test_a_run_without_a_verdict_raises_the_missing_data_alert(prefect_api, webh
     with _client(url) as client:
         ids = _deploy(client, webhook_url)
 
-    install = ["alerts", "install", "--block", "custom-webhook/servegate-test", "--deployment", "smoke-cpu",
+    install = ["alerts", "install", "--block", "custom-webhook/servegate-test", "--prefect-file",
+               str(REPO / "deployments/prefect.yaml"), "--deployment", "smoke-cpu",
                "--deployment", "nightly-cpu", "--deadline-s", str(DEADLINE_S), "--silence-s", str(DEADLINE_S)]
     first = _servegate(install, env)
     assert first.returncode == 0, first.stderr
