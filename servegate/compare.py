@@ -33,7 +33,9 @@ no_change          the bad end of the interval is inside the bound (a regression
 inconclusive       the interval straddles the bound on the bad side (more samples needed)
 insufficient_data  no baseline runs (too little history) or too few samples on a side
 report_only        shown, not gated: a tail whose interval is unbounded at this sample
-                   size, or a one-batch case measured fewer than ``min_samples`` times
+                   size, a one-batch case measured fewer than ``min_samples`` times, or a
+                   metric declared ``report_only`` (start-up time, memory high-water mark,
+                   cost per million output tokens: the reason says what its interval says)
 ================== ====================================================================
 
 The result is a DataFrame (the ``comparison`` table) that Great Expectations validates like
@@ -124,6 +126,14 @@ def _row(metric: GatedMetric, case: str, **values: Any) -> dict[str, Any]:
     return row
 
 
+def _report_only(row: dict[str, Any]) -> None:
+    """A report-only metric's row: shown with its interval, never gated, whatever the interval says."""
+    said = row["decision"]
+    why = row["reason"] if isinstance(row["reason"], str) else ""
+    row.update(gated=False, decision="report_only",
+               reason=f"report-only metric, never gated (its interval: {said})" + (f"; {why}" if why else ""))
+
+
 def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[tuple[str, Mapping[str, pd.DataFrame]]],
                    *, metrics: Sequence[GatedMetric] = GATED_METRICS, bound: float = DEFAULT_BOUND,
                    tail_bound: float = DEFAULT_TAIL_BOUND, confidence: float = DEFAULT_CONFIDENCE,
@@ -154,6 +164,7 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
         metric_bound = tail_bound if metric.statistic != "median" else bound
         if metric.resolution_columns is not None:
             metric_bound = _resolution_bound(metric, metric_bound, current, [t for _, t in baseline_runs])
+        first_row = len(rows)
         for c_index, (case, cur) in enumerate(cur_cases.items()):
             groups = [b[case] for b in base_by_run if case in b]
             n_base = int(sum(g.size for g in groups))
@@ -220,6 +231,9 @@ def compare_tables(current: Mapping[str, pd.DataFrame], baseline_runs: Sequence[
             decision = decide_change(low, high, metric.direction, metric_bound) if gated else "report_only"
             rows.append(_row(metric, case, ratio=ratio, ci_low=low, ci_high=high, gated=gated, decision=decision,
                              reason=reason, **common))
+        if metric.report_only:
+            for row in rows[first_row:]:
+                _report_only(row)
     df = pd.DataFrame(rows, columns=COMPARISON_COLUMNS)
     for col in ("n_baseline", "n_current", "n_baseline_runs"):
         df[col] = df[col].astype("int64")

@@ -1,6 +1,11 @@
 """The gated metrics: what the gate compares with its baseline, and where each one's raw
 samples are in a run's tables.
 
+A metric declared ``report_only`` (the worker's start-up time and memory high-water mark, the cost
+per million output tokens) is compared, shown in the comparison table and trended like the others,
+but its row is never gated: whatever its change, the verdict does not move. Gating one is an
+absolute threshold in the profile's expectations (the ``worker`` and ``cost`` tables), off by default.
+
 A :class:`GatedMetric` names a table and column, a unit, which direction is better, and the
 statistic compared (median or p99); :data:`GATED_METRICS` is the catalogue the compare stage,
 calibration and the report share. :func:`extract_samples` and :func:`extract_requests` read one
@@ -38,6 +43,9 @@ class GatedMetric:
     per_run: bool = False
     """One value per run (the capacity sweep's result): the current side is that value, its spread is
     between runs only, and ``min_samples`` counts baseline runs."""
+    report_only: bool = False
+    """Compared, shown and trended, never gated: its row's decision is ``report_only`` whatever the
+    interval says (the interval is still there to read)."""
     resolution_columns: tuple[str, str] | None = None
     """(low, high) columns bracketing a per-run value (the sweep's last good and first bad rate): the
     value is only known to within their ratio, which floors the run-to-run noise term."""
@@ -74,6 +82,15 @@ GATED_METRICS: tuple[GatedMetric, ...] = (
     # Capacity: one value per run, compared over baseline runs (at least 2, for their spread).
     GatedMetric("capacity.capacity_rps", "capacity", "capacity_rps", "req/s", "higher_is_better", min_samples=2,
                 per_run=True, resolution_columns=("last_good_rate", "first_bad_rate")),
+    # Report-only, one value per run: what a run costs, tracked beside what it measures. Start-up time
+    # moves with the page cache and the disk (a cold model load is seconds slower), memory with the
+    # allocator: neither says the serving path regressed, so neither fails a gate unless a profile says so.
+    GatedMetric("worker.startup_s", "worker", "startup_s", "s", "lower_is_better", min_samples=2, per_run=True,
+                report_only=True),
+    GatedMetric("worker.peak_rss_mib", "worker", "peak_rss_mib", "MiB", "lower_is_better", min_samples=2,
+                per_run=True, report_only=True),
+    GatedMetric("cost.cost_per_mtok_output", "cost", "cost_per_mtok_output", "per Mtok", "lower_is_better",
+                min_samples=2, per_run=True, report_only=True),
 )
 
 

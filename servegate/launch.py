@@ -17,6 +17,10 @@ every live handle is also stopped
   Prefect's flow engine installs one that raises ``TerminationSignal`` during a flow run — is
   left alone: it also unwinds the stack, which stops the handles.
 
+What a launch costs is recorded on the handle: ``startup_s`` (from just before the process starts to
+the first ready probe) and ``memory`` (:class:`MemoryHighWater`, the resident memory of the worker's
+whole process tree sampled with psutil from the launch until ``stop()``).
+
 A SIGKILL of the gate itself (or of its process group) cannot be caught: for that, every
 launch starts the process's guardian (``servegate.proctree.guard_process_tree``) and registers
 the worker's group with it; the guardian ends the worker's tree when the gate is gone.
@@ -37,6 +41,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import psutil
 import requests
 
 from servegate.config import WorkerSpec, redact_url
@@ -46,7 +51,7 @@ from servegate.errors import (ConfigError, ServerUnreachableError, StageError, W
 from servegate.http import make_session
 from servegate.proctree import end_session, exit_on_sigterm, guard_process_tree, watch_group
 
-__all__ = ["WorkerHandle", "launch_worker", "free_port"]
+__all__ = ["WorkerHandle", "MemoryHighWater", "launch_worker", "free_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,82 @@ PROBE_TIMEOUT_S = 30.0
 """Longest single readiness probe (SGLang's /health_generate runs a 1-token generate)."""
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
+
+
+MEMORY_SAMPLE_S = 0.5
+"""How often the worker tree's resident memory is sampled. An inference worker's memory is a plateau
+(weights and the KV pool are allocated at start-up and kept), which half-second samples find; a spike
+shorter than this can be missed."""
+TREE_REFRESH_SAMPLES = 4
+"""Descendants are looked up every this many samples (a /proc scan, the costly part of a sample); the
+known processes' memory every sample."""
+MIB = 1024 * 1024
+
+
+class MemoryHighWater:
+    """The high-water mark of the resident memory (RSS) of a process and all its descendants, summed,
+    sampled every ``interval_s`` in a daemon thread from :meth:`start` to :meth:`stop`.
+
+    Why sampling and not ``getrusage(RUSAGE_CHILDREN).ru_maxrss``: that is the largest single process
+    among the *terminated and waited-for* children of the gate — known only after the worker exits,
+    blind to a worker's own subprocesses it did not wait for (vLLM's engine core), and never the sum of
+    a tree whose processes peak together. Summed RSS counts pages the tree's processes share once per
+    process: for a multi-process engine it is an upper bound, for the embedded worker (one process) exact
+    to the sampling interval.
+    """
+
+    def __init__(self, pid: int, interval_s: float = MEMORY_SAMPLE_S) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self.samples = 0
+        self._root: psutil.Process | None = None
+        self._tree: list[psutil.Process] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=f"servegate-rss-{pid}", daemon=True)
+
+    def start(self) -> "MemoryHighWater":
+        try:
+            self._root = psutil.Process(self.pid)
+        except psutil.Error:
+            return self  # exited already: the launch reports that
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def sample(self) -> int:
+        """Sample now (also the loop's step): the tree's summed RSS in bytes, 0 once it is gone."""
+        with self._lock:
+            if self._root is None:
+                return 0
+            if self.samples % TREE_REFRESH_SAMPLES == 0 or not self._tree:
+                try:
+                    self._tree = [self._root, *self._root.children(recursive=True)]
+                except psutil.Error:
+                    self._tree = []
+            total = 0
+            for proc in self._tree:
+                try:
+                    total += proc.memory_info().rss
+                except psutil.Error:
+                    pass  # exited between the lookup and the read
+            self.samples += 1
+            self.peak_bytes = max(self.peak_bytes, total)
+            return total
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / MIB if self.samples else math.nan
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -132,6 +213,14 @@ class WorkerHandle:
         self._process = process
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self.startup_s: float | None = None
+        """Seconds from just before the process started to the first ready probe (None: attached)."""
+        self.ready_rss_mib = math.nan
+        """The tree's resident memory when it was ready (MiB)."""
+        self.memory = MemoryHighWater(process.pid).start() if process is not None else None
+        self.table: object | None = None
+        """The launch stage's ``worker`` table (a pandas frame), refreshed in place after each stage on
+        this worker (``servegate.stages.refresh_worker_table``)."""
 
     @property
     def pid(self) -> int | None:
@@ -189,6 +278,8 @@ class WorkerHandle:
                 return
             self._stopped = True
         _LIVE_HANDLES.discard(self)
+        if self.memory is not None:
+            self.memory.stop()
         if self._process is not None:
             end_session(self._process, timeout_s)
 
@@ -311,6 +402,7 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _install_exit_hooks()
     guard_process_tree()
+    started = time.perf_counter()
     with open(log_path, "ab") as log:
         log.write(f"# servegate: launching {engine.name}: {_redacted(cmd)}\n".encode())
         log.flush()
@@ -332,6 +424,9 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     try:
         with session:
             _wait_ready(handle, session, timeout_s)
+        handle.startup_s = time.perf_counter() - started
+        if handle.memory is not None:
+            handle.ready_rss_mib = handle.memory.sample() / MIB
     except BaseException:
         handle.stop()
         raise

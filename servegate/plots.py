@@ -194,7 +194,8 @@ def trend_plot(rows: Sequence[Mapping[str, Any]], metric: GatedMetric,
     """One metric's per-run statistic over the key's runs; one line per case (one-batch grid
     points), and for a single-case metric the baseline band: baseline value x [1 - bound, 1 + bound]."""
     name = f"trend:{metric.metric}"
-    title = f"Trend: {metric.metric} ({metric.unit}, {metric.direction.replace('_', ' ')})"
+    title = (f"Trend: {metric.metric} ({metric.unit}, {metric.direction.replace('_', ' ')}"
+             f"{', report only: never gated' if metric.report_only else ''})")
     fig = _figure(6.4, 2.8)
     ax = fig.subplots()
     plotted = False

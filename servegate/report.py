@@ -4,7 +4,8 @@
   plots are inline SVG drawn with matplotlib's object API, no pyplot global state): the verdict,
   the breaches and the comparison with the baseline (rows grouped under one heading per stage,
   :data:`servegate.tables.TABLE_STAGE`; a note several rows share said once above the tables, the
-  rows pointing at it), one-batch latency vs batch size, serving
+  rows pointing at it), the worker's start-up time, memory high-water mark and cost per million
+  output tokens (the report-only metrics; cost only with ``[cost] price_per_hour``), one-batch latency vs batch size, serving
   TTFT/ITL CDFs against the baseline, occupancy over time (and, for a run that speculated, its
   accept length over time beside the serving ITLs), each gated metric's nightly trend
   with its baseline band (baseline value x [1 - bound, 1 + bound]), and, when the run has a
@@ -96,7 +97,7 @@ def failing_rows(comparison: pd.DataFrame | None) -> pd.DataFrame:
 
 
 
-_STAGE_ORDER = ("one_batch", "serving", "occupancy", "quality", "capacity", "paired", "comparison")
+_STAGE_ORDER = ("launch", "one_batch", "serving", "occupancy", "quality", "capacity", "paired", "comparison")
 """The order of the report's stage groups (stage names of :data:`servegate.tables.TABLE_STAGE`;
 ``comparison`` holds rows of no known table, e.g. the relative check on the comparison itself)."""
 
@@ -169,6 +170,39 @@ def _mark_decisions(table: str) -> str:
     for decision, css in (("regression", "bad"), ("improvement", "good")):
         table = table.replace(f"<td>{decision}</td>", f'<td class="{css}">{decision}</td>')
     return table
+
+
+def _first(tables: Mapping[str, pd.DataFrame], table: str, column: str) -> Any:
+    df = tables.get(table)
+    if df is None or df.empty or column not in df.columns:
+        return None
+    value = df[column].iloc[0]
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _cost_section(tables: Mapping[str, pd.DataFrame]) -> str:
+    """What the run's worker cost: start-up time, memory high-water mark, cost per million output
+    tokens (only with a configured price: an unset price shows no cost, never 0). Report-only: these
+    are compared and trended like the gated metrics but never decide the verdict."""
+    items: list[tuple[str, str]] = []
+    startup = _first(tables, "worker", "startup_s")
+    if startup is not None:
+        items.append(("start-up (launch to ready)", f"{startup:.1f} s"))
+    ready, peak = _first(tables, "worker", "ready_rss_mib"), _first(tables, "worker", "peak_rss_mib")
+    if peak is not None:
+        through = _first(tables, "worker", "peak_through")
+        items.append(("memory high-water mark (RSS of the worker's process tree)",
+                      f"{peak:.0f} MiB through {through}" + (f" ({ready:.0f} MiB when ready)" if ready else "")))
+    cost = _first(tables, "cost", "cost_per_mtok_output")
+    if cost is not None:
+        currency = _first(tables, "cost", "currency") or ""
+        items.append(("cost per million output tokens",
+                      f"{cost:.4g} {currency} at {_first(tables, 'cost', 'price_per_hour'):g} {currency}/h and "
+                      f"{_first(tables, 'cost', 'output_throughput'):.4g} tok/s (the serving load)"))
+    if not items:
+        return ""
+    return ('<dl id="worker-cost">' + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in items)
+            + "</dl>")
 
 
 def _text_or(value: Any, missing: str) -> str:
@@ -300,6 +334,7 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
     by_metric = {m.metric: m for m in metrics}
     serving_median = {m.column: m for m in metrics if m.table == "serving_requests" and m.statistic == "median"}
     parts.append("<h2>This run</h2>")
+    parts.append(_cost_section(tables))
     parts.append(one_batch_plot(tables.get("one_batch")))
     for column, name, title in (("ttft_ms", "serving_ttft_cdf", "Serving: TTFT distribution (CDF)"),
                                 ("itls_ms", "serving_itl_cdf", "Serving: inter-token latency distribution (CDF)")):

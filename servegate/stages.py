@@ -17,6 +17,7 @@ Pipeline::
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from servegate.results import RunFolder, StageRecord
 
 __all__ = ["StageSpec", "StageResult", "STAGES", "MEASUREMENT_STAGES", "RERUNNABLE", "Status", "spec", "tables_of",
-           "check_config"]
+           "check_config", "refresh_worker_table"]
 
 Status = Literal["ok", "failed", "skipped", "not_applicable"]
 
@@ -152,9 +153,41 @@ class StageSpec:
 
 def _launch(run: RunContext, result: StageResult) -> None:
     from servegate.launch import launch_worker
+    from servegate.tables import WORKER_COLUMNS
 
     run.worker = launch_worker(run.config.worker, run.path / "worker.log")
     result.notes["base_url"] = run.worker.base_url
+    handle = run.worker
+    table = pd.DataFrame([{
+        "engine": handle.engine.name,
+        "startup_s": math.nan if handle.startup_s is None else handle.startup_s,
+        "ready_rss_mib": handle.ready_rss_mib,
+        "rss_sample_interval_s": math.nan if handle.memory is None else handle.memory.interval_s,
+    }], columns=WORKER_COLUMNS)
+    handle.table = result.tables["worker"] = table
+    _refresh(handle, "launch")
+
+
+def _refresh(handle: "WorkerHandle", through: str) -> bool:
+    table = handle.table
+    if not isinstance(table, pd.DataFrame) or handle.memory is None:
+        return False
+    if handle.is_alive():
+        handle.memory.sample()  # the last moment of the stage, not the last half-second tick
+    table["peak_rss_mib"] = handle.memory.peak_mib
+    table["rss_samples"] = handle.memory.samples
+    table["peak_through"] = through
+    return True
+
+
+def refresh_worker_table(run: RunContext, through: str) -> None:
+    """After a stage on the gate's worker: its ``worker`` table (the launch stage's, the same frame the
+    launch result holds) takes the memory high-water mark through the end of ``through``, in memory and
+    in the run folder. The peak is known only once the worker has done its heaviest work, and the
+    launch stage's table is what compare, validate and the history read."""
+    handle = run.worker
+    if handle is not None and _refresh(handle, through):
+        run.folder.write_table("worker", handle.table)
 
 
 def _warmup(run: RunContext, result: StageResult) -> None:
@@ -193,6 +226,7 @@ def _prompt_tokenizer(run: RunContext) -> Any:
 def _serving(run: RunContext, result: StageResult) -> None:
     from servegate.bench.flush import flush_until_idle
     from servegate.bench.serving import run_serving
+    from servegate.cost import cost_table
 
     tokenizer = _prompt_tokenizer(run)
     cfg = run.config.serving
@@ -214,6 +248,9 @@ def _serving(run: RunContext, result: StageResult) -> None:
     result.remarks.extend([*discarded, *out.meta.get("notes", [])])
     result.tables.update(serving_requests=out.requests, serving_summary=out.summary)
     run.folder.write_jsonl("serving", out.summary.to_dict(orient="records"))
+    cost = cost_table(out.summary, run.config.cost)  # None without [cost] price_per_hour: not shown, not 0
+    if cost is not None:
+        result.tables["cost"] = cost
 
 
 def _occupancy(run: RunContext, result: StageResult) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 from prefect.states import Failed, State
 
 from servegate.runstate import GateRun
-from servegate.stages import StageResult, spec
+from servegate.stages import StageResult, refresh_worker_table, spec
 from servegate.tasks._artifacts import publish, table_markdown
 
 
@@ -27,6 +27,8 @@ def perform(run: GateRun, stage: str, *upstream: StageResult) -> StageResult | S
         return run.skipped(stage, *skip)
     with run.stage(stage) as result:
         declared.run(run, result)
+    if declared.flushed:
+        refresh_worker_table(run, stage)  # the worker's memory high-water mark through this stage
     if result.ok and result.tables:
         publish(run.config.name, stage, f"# {stage}\n\n" + "\n\n".join(_shown(df) for df in result.tables.values()))
     return as_state(result)

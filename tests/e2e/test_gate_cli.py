@@ -17,11 +17,16 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import psutil
 import pytest
 from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
+from servegate.history import Store
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+PRICE_PER_HOUR = 2.5
 
 
 # A smaller smoke: same stages, fewer requests, so three gate runs fit the CI budget.
@@ -47,7 +52,7 @@ def _run(tmp_path: Path, *args: str, timeout: float = 840, env: dict[str, str] |
 
 
 def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
-    proc = _run(tmp_path)
+    proc = _run(tmp_path, "--set", f"cost.price_per_hour={PRICE_PER_HOUR}")
     verdict = stdout_json(proc)
     assert proc.returncode == 0, f"{verdict}\n{proc.stderr[-4000:]}"
     assert verdict["status"] == "pass" and verdict["breaches"] == []
@@ -84,9 +89,11 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     # each stage record's remarks (issue 11: a discarded serving attempt is named there); gate.log,
     # where the libraries' log lines go instead of the terminal (issue 14); the capacity stage's
     # record (issue 16: skipped, off in smoke); the host stage's record and host.json (issue 19: the
-    # environment record and host checks before the first measurement).
+    # environment record and host checks before the first measurement); the worker and cost tables
+    # (issue 19: start-up time, memory high-water mark, cost per million output tokens: with a price).
     golden = json.loads((Path(__file__).parent / "golden" / "smoke_run_folder.json").read_text())
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*golden["files"], "gate.log", "host.json"])
+    added = ["gate.log", "host.json", "worker.csv", "worker.parquet", "cost.csv", "cost.parquet"]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*golden["files"], *added])
     expected = golden["verdict_json"]
     expected["summary"]["not_applicable"] = "int"
     expected["undecided"] = "list"  # issue 13: gated metrics left undecided, apart from infra errors
@@ -95,6 +102,26 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     recorded = json.loads((run_dir / "stages.json").read_text())
     assert sorted(recorded) == sorted([*golden["stages"], "paired", "capacity", "host"])
     assert all(sorted(r) == sorted([*golden["stage_record_keys"], "remarks"]) for r in recorded.values()), recorded
+    assert recorded["launch"]["tables"] == ["worker"] and "cost" in recorded["serving"]["tables"]
+
+    # What the worker cost (issue 19), in the run folder, the history and the report.
+    worker = pd.read_parquet(run_dir / "worker.parquet").iloc[0]
+    assert worker["engine"] == "embedded" and 0 < worker["startup_s"] < 600, worker
+    # SmolLM2-135M with torch holds a few hundred MiB at least; the peak is at least what it held when ready.
+    assert 100 < worker["ready_rss_mib"] <= worker["peak_rss_mib"] < 32 * 1024, worker
+    assert worker["peak_through"] == "quality" and worker["rss_samples"] >= 10, worker  # the last stage on it
+    throughput = pd.read_parquet(run_dir / "serving_summary.parquet")["output_throughput"].iloc[0]
+    cost = pd.read_parquet(run_dir / "cost.parquet").iloc[0]
+    assert (cost["price_per_hour"], cost["currency"]) == (PRICE_PER_HOUR, "USD")
+    assert cost["cost_per_mtok_output"] == pytest.approx(PRICE_PER_HOUR * 1e6 / (throughput * 3600), rel=1e-9)
+    with Store(str(tmp_path / "history.db")) as store:
+        [record] = store.runs()
+        kept = store.tables(record.run_id, ["worker", "cost"])
+    assert kept["worker"]["peak_rss_mib"].iloc[0] == pytest.approx(worker["peak_rss_mib"])
+    assert kept["cost"]["cost_per_mtok_output"].iloc[0] == pytest.approx(cost["cost_per_mtok_output"])
+    report = (run_dir / "report.html").read_text()
+    assert f"{worker['startup_s']:.1f} s" in report and f"{worker['peak_rss_mib']:.0f} MiB through quality" in report
+    assert f"{cost['cost_per_mtok_output']:.4g} USD at 2.5 USD/h" in report
 
 
 def test_terminal_shows_the_measured_numbers_and_verbose_brings_the_library_logs_back(tmp_path: Path):
