@@ -86,23 +86,28 @@ def _badness(row: Mapping[str, Any]) -> float:
     return -log if row.get("direction") == "higher_is_better" else log
 
 
-def _change_rows(folder: RunFolder, decision: str) -> list[dict[str, Any]]:
+def _change_rows(tables: Mapping[str, pd.DataFrame], decision: str) -> list[dict[str, Any]]:
     """Comparison rows (against the history baseline) and gated paired rows (against the baseline
-    worker) with ``decision``, each as {metric, ratio, ci_low, ci_high, bound, direction, against}."""
+    worker) with ``decision``, worst (regressions) or best (improvements) first."""
     rows: list[dict[str, Any]] = []
-    if folder.has_table("comparison"):
-        comparison = folder.read_table("comparison")
-        chosen = failing_rows(comparison) if decision == "regression" else (
-            comparison[comparison["decision"] == decision] if "decision" in comparison else pd.DataFrame())
+    comparison = tables.get("comparison")
+    if comparison is not None and "decision" in comparison:
+        chosen = (failing_rows(comparison) if decision == "regression"
+                  else comparison[comparison["decision"] == decision])
         for row in chosen.to_dict("records"):
             case = row.get("case") if isinstance(row.get("case"), str) and row.get("case") else None
             rows.append({**row, "metric": f"{row['metric']} ({case})" if case else row["metric"],
                          "against": "baseline runs"})
-    if folder.has_table("paired"):
-        for row in gated_paired_rows(folder.read_table("paired").to_dict("records")):
+    if tables.get("paired") is not None:
+        for row in gated_paired_rows(tables["paired"].to_dict("records")):
             if row.get("decision") == decision:
                 rows.append({**row, "against": "baseline worker (paired)"})
     return sorted(rows, key=_badness, reverse=decision == "regression")
+
+
+def _tables(folder: RunFolder) -> dict[str, pd.DataFrame]:
+    """The run's ``comparison`` and ``paired`` tables, those it has."""
+    return {name: folder.read_table(name) for name in ("comparison", "paired") if folder.has_table(name)}
 
 
 def _change_line(row: Mapping[str, Any]) -> str:
@@ -111,16 +116,15 @@ def _change_line(row: Mapping[str, Any]) -> str:
             f" vs {markdown_text(row['against'])}{bound}")
 
 
-def _baseline_runs(folder: RunFolder) -> tuple[str | None, list[str]]:
-    """The comparison's baseline policy and run ids (``comparison`` table attrs, as compare wrote them)."""
-    if not folder.has_table("comparison"):
+def _baseline_runs(comparison: pd.DataFrame | None) -> tuple[str | None, list[str]]:
+    """The comparison's baseline policy and run ids (the table's attrs, as compare wrote them)."""
+    if comparison is None:
         return None, []
-    comparison = folder.read_table("comparison")
     baseline = comparison.attrs.get("baseline") or {}
     run_ids = list(baseline.get("run_ids") or [])
     if not run_ids and "baseline_runs" in comparison:
-        run_ids = sorted({r for cell in comparison["baseline_runs"].dropna() for r in str(cell).split(",") if r})
-    return baseline.get("policy"), sorted(run_ids)
+        run_ids = [r for cell in comparison["baseline_runs"].dropna() for r in str(cell).split(",") if r]
+    return baseline.get("policy"), sorted(set(run_ids))
 
 
 def _revision(manifest: Mapping[str, Any]) -> str:
@@ -166,9 +170,10 @@ def _gate_section(gate: Mapping[str, Any], links: AlertLinks, store: Store | Non
     try:
         folder = RunFolder.open(run_dir)
         verdict = folder.read_json("verdict") if (run_dir / "verdict.json").is_file() else {}
-        regressions = _change_rows(folder, "regression")
-        improvements = _change_rows(folder, "improvement")
-        policy, baseline_ids = _baseline_runs(folder)
+        tables = _tables(folder)
+        regressions = _change_rows(tables, "regression")
+        improvements = _change_rows(tables, "improvement")
+        policy, baseline_ids = _baseline_runs(tables.get("comparison"))
     except (ServegateError, OSError, ValueError) as exc:
         lines.append(f"Run folder {markdown_code(run_dir)} could not be read here ({markdown_text(exc)}): share the "
                      f"runs folder with the matrix's machine, or set runs_base_url and follow the link.")
@@ -237,8 +242,7 @@ def _passing_improvements(gate: Mapping[str, Any]) -> list[str]:
     if not gate.get("run_dir"):
         return []
     try:
-        folder = RunFolder.open(gate["run_dir"])
-        rows = _change_rows(folder, "improvement")
+        rows = _change_rows(_tables(RunFolder.open(gate["run_dir"])), "improvement")
     except (ServegateError, OSError, ValueError):
         return []
     return [f"- {markdown_text(gate['deployment'])}: {_change_line(r)}" for r in rows]
@@ -257,9 +261,12 @@ def load_notifier(name: str):  # -> prefect.blocks.abstract.NotificationBlock
                           f"(`prefect block ls` lists the saved blocks)")
     try:
         block = Block.load(name)
-    except ValueError as exc:
-        raise ConfigError(f"alert block {name!r} is not saved on this Prefect server ({exc}); create it as "
-                          f"docs/alerts.md says, or fix the matrix's alert_blocks") from exc
+    except ValueError as exc:  # Prefect's "Unable to find block document", or a saved block that fails validation
+        raise ConfigError(f"alert block {name!r} could not be loaded from this Prefect server ({exc}); create it "
+                          f"as docs/alerts.md says, or fix the matrix's alert_blocks") from exc
+    except KeyError as exc:  # a custom webhook's template names a {{placeholder}} that is not in its secrets
+        raise ConfigError(f"alert block {name!r} uses the placeholder {exc} that is neither subject, body, name "
+                          f"nor a key of its secrets; fix the block's templates") from exc
     if not isinstance(block, NotificationBlock):
         raise ConfigError(f"alert block {name!r} is a {type(block).__name__}, not a notification block; "
                           f"use a slack-webhook or custom-webhook block")
