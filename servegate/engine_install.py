@@ -14,12 +14,13 @@ argument-list subprocess with a timeout, its output appended to ``<venv>.install
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ LOG_TAIL_LINES = 30
 STEP_TERM_WAIT_S = 10.0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class EngineRecipe:
     """How to build one engine's venv."""
 
@@ -88,16 +89,27 @@ ENGINE_RECIPES: dict[str, EngineRecipe] = {
 }
 
 
-def _recipe(name: str) -> EngineRecipe:
+def _recipe(name: str, version: str | None = None) -> EngineRecipe:
+    """The recipe of ``name``; with ``version``, its own distribution pinned to that version instead
+    (``servegate bisect`` over an engine's releases)."""
     try:
-        return ENGINE_RECIPES[name]
+        recipe = ENGINE_RECIPES[name]
     except KeyError:
         raise ConfigError(f"unknown engine {name!r} to install; choose one of {sorted(ENGINE_RECIPES)}") from None
+    if version is None:
+        return recipe
+    if not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z.+!_-]*", version):
+        raise ConfigError(f"{version!r} is not a version of {name} (e.g. 0.31.0)")
+    own = [r for r in recipe.requirements if r.split("==")[0] == name]
+    if len(own) != 1:
+        raise ConfigError(f"engine {name!r}'s recipe does not pin {name} itself; it cannot install other versions")
+    return dataclasses.replace(recipe, requirements=tuple(f"{name}=={version}" if r == own[0] else r
+                                                          for r in recipe.requirements))
 
 
-def default_venv_dir(name: str) -> Path:
-    """``<SERVEGATE_CACHE or ~/.cache/servegate>/engines/<name>``."""
-    return cache_dir() / "engines" / name
+def default_venv_dir(name: str, version: str | None = None) -> Path:
+    """``<SERVEGATE_CACHE or ~/.cache/servegate>/engines/<name>`` (``<name>-<version>`` for another version)."""
+    return cache_dir() / "engines" / (name if version is None else f"{name}-{version}")
 
 
 def venv_python(venv_dir: Path) -> Path:
@@ -109,10 +121,10 @@ def _marker_path(venv_dir: Path) -> Path:
     return Path(venv_dir) / MARKER_NAME
 
 
-def installed_versions(name: str, venv_dir: Path | None = None) -> dict[str, Any] | None:
+def installed_versions(name: str, venv_dir: Path | None = None, version: str | None = None) -> dict[str, Any] | None:
     """The marker of a finished install of ``name`` (requirements, versions, date); None if absent or stale."""
-    recipe = _recipe(name)
-    venv_dir = Path(venv_dir) if venv_dir is not None else default_venv_dir(name)
+    recipe = _recipe(name, version)
+    venv_dir = Path(venv_dir) if venv_dir is not None else default_venv_dir(name, version)
     marker = _marker_path(venv_dir)
     try:
         doc = json.loads(marker.read_text())
@@ -128,9 +140,9 @@ def installed_versions(name: str, venv_dir: Path | None = None) -> dict[str, Any
     return doc
 
 
-def is_installed(name: str, venv_dir: Path | None = None) -> bool:
-    """Whether ``name`` is installed in ``venv_dir`` (default location) by the current recipe."""
-    return installed_versions(name, venv_dir) is not None
+def is_installed(name: str, venv_dir: Path | None = None, version: str | None = None) -> bool:
+    """Whether ``name`` (at ``version``) is installed in ``venv_dir`` (default location) by the current recipe."""
+    return installed_versions(name, venv_dir, version) is not None
 
 
 def engine_python(name: str, venv_dir: Path | None = None) -> Path:
@@ -207,19 +219,22 @@ def _query_versions(python: Path, dists: tuple[str, ...], log_path: Path) -> dic
                          f"run `servegate engine install --force` (log {log_path})") from exc
 
 
-def install_engine(name: str, venv_dir: Path | None = None, *, force: bool = False) -> Path:
+def install_engine(name: str, venv_dir: Path | None = None, *, force: bool = False,
+                   version: str | None = None) -> Path:
     """Build (or confirm) the venv of engine ``name`` and return its python.
 
     Idempotent: when the marker matches the recipe and ``force`` is false, returns at once.
     Otherwise creates the venv (``--clear`` with ``force``), pip-installs the requirements,
     uninstalls the distributions the recipe removes, checks the import, writes the marker.
+    ``version``: the engine's own distribution at that version instead of the recipe's, in
+    ``<name>-<version>`` by default.
     Raises ``ConfigError`` (unknown name) or ``InfraError`` (a step failed or timed out; the
     message has the log tail).
     """
-    recipe = _recipe(name)
-    venv_dir = Path(venv_dir).expanduser() if venv_dir is not None else default_venv_dir(name)
+    recipe = _recipe(name, version)
+    venv_dir = Path(venv_dir).expanduser() if venv_dir is not None else default_venv_dir(name, version)
     python = venv_python(venv_dir)
-    if not force and is_installed(name, venv_dir):
+    if not force and is_installed(name, venv_dir, version):
         logger.info("engine %s already installed in %s", name, venv_dir)
         return python
 

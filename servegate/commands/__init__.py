@@ -8,6 +8,7 @@
     rerun      servegate rerun RUN --task STAGE [--set KEY=VALUE ...] [--json]
     engine     servegate engine install|path NAME
     calibrate  servegate calibrate [--profile NAME] [--aa-runs N] [--slowdowns 5,10,30] [--json]
+    bisect     servegate bisect --profile NAME --builds FILE [--good REF] [--bad REF] [--json]
     dashboard  servegate dashboard --out DIR [--key PATTERN] [--since 30d] [--copy-reports]
     alerts     servegate alerts install --block TYPE/NAME [--deadline-s [NAME=]SECONDS ...] | alerts list
 
@@ -24,11 +25,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from servegate.commands import alerts, calibrate, dashboard, engine, history, model, profiles, rerun, run, worker
+from servegate.commands import (alerts, bisect, calibrate, dashboard, engine, history, model, profiles, rerun, run,
+                                worker)
 
 __all__ = ["COMMAND_MODULES", "add_commands"]
 
-COMMAND_MODULES: tuple[ModuleType, ...] = (run, worker, model, profiles, history, rerun, engine, calibrate,
+COMMAND_MODULES: tuple[ModuleType, ...] = (run, worker, model, profiles, history, rerun, engine, calibrate, bisect,
                                               dashboard, alerts)
 """In the order ``servegate --help`` lists them."""
 

@@ -25,6 +25,8 @@ def add_arguments(subparsers: Any) -> None:
     install.add_argument("name", metavar="NAME", choices=names, help=f"one of {names}")
     install.add_argument("--venv-dir", help="where to build it (default <SERVEGATE_CACHE>/engines/NAME)")
     install.add_argument("--force", action="store_true", help="rebuild from scratch even when installed")
+    install.add_argument("--version", help="another release of the engine than the recipe's (its own venv, default "
+                                           "<SERVEGATE_CACHE>/engines/NAME-VERSION), e.g. for `servegate bisect`")
     install.set_defaults(func=cmd_install)
 
     path = actions.add_parser("path", help="print the installed engine's python (error if not installed)")
@@ -37,8 +39,9 @@ def cmd_install(args: argparse.Namespace) -> int:
     from servegate.engine_install import install_engine, installed_versions
     from servegate.verdict import ExitCode
 
-    python = install_engine(args.name, Path(args.venv_dir) if args.venv_dir else None, force=args.force)
-    doc = installed_versions(args.name, python.parent.parent)
+    python = install_engine(args.name, Path(args.venv_dir) if args.venv_dir else None, force=args.force,
+                            version=args.version)
+    doc = installed_versions(args.name, python.parent.parent, args.version)
     versions = ", ".join(f"{k} {v}" for k, v in (doc or {}).get("versions", {}).items())
     print(f"{args.name}: {python} ({versions})")
     return ExitCode.PASS

@@ -35,7 +35,7 @@ from servegate.compare import decide_change
 from servegate.config import PAIRED_METRICS, GateConfig, PairedConfig, ServingConfig, WorkerSpec
 from servegate.engine_install import resolve_engine_python
 from servegate.engines import get_engine
-from servegate.errors import ConfigError, StageError, WorkerDiedError
+from servegate.errors import ConfigError, StageError, WorkerDiedError, WorkerLaunchError
 from servegate.launch import EXIT_GRACE_S
 from servegate.paired.stats import Interval, ratio_interval
 from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
@@ -43,7 +43,8 @@ from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER
 if TYPE_CHECKING:  # pragma: no cover
     from servegate.launch import WorkerHandle
 
-__all__ = ["SIDES", "PairedMeasurement", "block_config", "decide_metric", "run_paired", "stop_reason"]
+__all__ = ["SIDES", "PairedMeasurement", "block_config", "decide_metric", "did_not_start", "run_paired",
+           "stop_reason"]
 
 logger = logging.getLogger("servegate.paired")
 
@@ -52,6 +53,12 @@ SIDES = ("baseline", "candidate")
 
 _UNITS = {"itl_median_ms": "ms", "tpot_median_ms": "ms", "ttft_median_ms": "ms", "e2e_median_ms": "ms",
           "output_throughput": "tok/s"}
+
+
+def did_not_start(side: str) -> str:
+    """How the paired stage's error begins when ``side``'s worker failed to launch (``servegate
+    bisect`` tells a build that does not start from one that could not be decided by it)."""
+    return f"the {side} worker did not start: "
 
 
 def block_config(config: GateConfig, round_index: int) -> ServingConfig:
@@ -111,7 +118,10 @@ class PairedMeasurement:
 
         engine = get_engine(side.spec.engine)
         t0 = time.perf_counter()
-        side.handle = launch_worker(side.spec, side.log)
+        try:
+            side.handle = launch_worker(side.spec, side.log)
+        except WorkerLaunchError as exc:
+            raise type(exc)(did_not_start(side.name) + str(exc)) from exc
         self.register(side.handle)
         launched = time.perf_counter() - t0
         api_key = side.spec.api_key_value()
