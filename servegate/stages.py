@@ -307,7 +307,8 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("warmup", "warmup", flushed=False, run=_warmup),
     StageSpec("one_batch", "one_batch", flushed=True, run=_one_batch, needs="takes_prompt_batches",
               needs_why="takes no list of prompts in one request, which one-batch sends as its batch"),
-    StageSpec("serving", "serving", flushed=True, run=_serving),
+    # Its cost table is priced with [cost]: a re-run that carries serving must not re-price it.
+    StageSpec("serving", "serving", flushed=True, run=_serving, reads=("cost",)),
     StageSpec("occupancy", "occupancy", flushed=True, run=_occupancy, needs="has_metrics",
               needs_why="exposes no Prometheus metrics the gate can rely on"),
     StageSpec("quality", "quality", flushed=True, run=_quality, needs="has_logprobs",

@@ -59,3 +59,12 @@ def test_price_defaults_to_unset_and_accepts_a_finite_positive_number():
     assert load_config(profile="smoke").cost.price_per_hour is None
     cfg = load_config(profile="smoke", overrides=["cost.price_per_hour=2.5"]).cost
     assert (cfg.price_per_hour, cfg.currency) == (2.5, "USD")
+
+
+def test_a_rerun_that_carries_the_serving_stage_refuses_a_new_price():
+    """The cost table is the serving stage's: re-priced, it would no longer match the carried load."""
+    from servegate.rerun import _check_overrides
+
+    with pytest.raises(ConfigError, match=r"stage serving is carried .* depend on cost\.\*"):
+        _check_overrides(["cost.price_per_hour=3.0"], ["serving"])
+    _check_overrides(["cost.price_per_hour=3.0"], ["one_batch"])  # re-measured serving prices it anew
