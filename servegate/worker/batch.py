@@ -13,7 +13,7 @@ Owns the tensors of continuous batching and nothing about who gets in:
   shorter; padded columns are masked out by a per-row attention mask, and every row carries its
   own ``position_ids`` so that padding never shifts RoPE positions;
 * :meth:`Batch.decode` feeds each row's last token through the model once (a batched decode on
-  a ``DynamicCache``);
+  a ``DynamicCache`` whose layers write each step's KV into spare columns, :class:`_BatchKVLayer`);
 * :meth:`Batch.select` keeps only the rows still running and trims leading columns that are
   padding in every remaining row.
 
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from servegate.worker.kv_budget import PrefixCache
 from servegate.worker.metrics import now
@@ -43,6 +44,54 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = n
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+_KV_SPARE_TOKENS = 64
+"""Columns a running batch's KV holds beyond its length, so that decode steps write in place.
+
+A ``DynamicLayer`` concatenates a step's KV to the whole cache, a copy of the batch's KV per
+layer per step: profiled on SmolLM2 at batch 8 with 96 tokens of KV, 7 % of a decode step. With
+spare columns a step writes one column, and the batch is copied once per this many steps. The
+spare columns are not counted against the KV budget, as padding is not (at most batch x this)."""
+
+
+class _BatchKVLayer(DynamicLayer):
+    """One layer of the running batch's KV: ``keys``/``values`` are views of buffers with spare columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buf = self._value_buf = torch.zeros(0)
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``keys``/``values`` (``[batch, kv_heads, tokens, head_dim]``), copied into buffers with spare columns."""
+        batch, heads, tokens, dim = keys.shape
+        self._key_buf = keys.new_empty(batch, heads, tokens + _KV_SPARE_TOKENS, dim)
+        self._value_buf = values.new_empty(batch, heads, tokens + _KV_SPARE_TOKENS, dim)
+        self._key_buf[:, :, :tokens] = keys
+        self._value_buf[:, :, :tokens] = values
+        self.keys, self.values = self._key_buf[:, :, :tokens], self._value_buf[:, :, :tokens]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.keys.shape[2]
+        end = start + key_states.shape[2]
+        if end > self._key_buf.shape[2]:
+            self.assign(self.keys, self.values)
+        self._key_buf[:, :, start:end] = key_states
+        self._value_buf[:, :, start:end] = value_states
+        self.keys, self.values = self._key_buf[:, :, :end], self._value_buf[:, :, :end]
+        return self.keys, self.values
+
+
+def _batch_cache(model_config: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A ``DynamicCache`` of :class:`_BatchKVLayer` holding ``kv`` (per layer, keys and values)."""
+    cache = DynamicCache(config=model_config)
+    cache.layers = [_BatchKVLayer() for _ in kv]
+    for layer, (k, v) in zip(cache.layers, kv):
+        layer.assign(k, v)
+    return cache
 
 
 def _wants_input_logprobs(req: Request) -> bool:
@@ -220,13 +269,8 @@ class Batch:
                 keys[i].append(_pad_left(k, new_len - p, 2))
                 values[i].append(_pad_left(v, new_len - p, 2))
             masks.append(_pad_left(torch.ones(1, p, dtype=torch.long), new_len - p, 1))
-        cache = self._cache if (self.rows and self._cache is not None) else DynamicCache(config=self.model.config)
-        for i, layer in enumerate(cache.layers):
-            k = torch.cat(keys[i], dim=0) if len(keys[i]) > 1 else keys[i][0]
-            v = torch.cat(values[i], dim=0) if len(values[i]) > 1 else values[i][0]
-            if not layer.is_initialized:
-                layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
+        cache = _batch_cache(self.model.config, [(k[0], v[0]) if len(k) == 1 else (torch.cat(k), torch.cat(v))
+                                                  for k, v in zip(keys, values)])
         # The concatenation above runs unlocked (it is the slow part); only the switch to the
         # new rows is published under the lock.
         with self.lock:
@@ -276,11 +320,7 @@ class Batch:
         first_real = int(self._mask.any(dim=0).to(torch.int8).argmax())
         assert self._cache is not None
         for layer in self._cache.layers:
-            k = layer.keys[index]
-            v = layer.values[index]
-            if first_real:
-                k, v = k[:, :, first_real:], v[:, :, first_real:]
-            layer.keys, layer.values = k, v
+            layer.assign(layer.keys[index, :, first_real:], layer.values[index, :, first_real:])
         if first_real:
             self._mask = self._mask[:, first_real:]
 

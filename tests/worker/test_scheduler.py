@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from servegate.worker import batch as batch_module
 from servegate.worker.logprobs import input_token_logprobs
 from servegate.worker.metrics import WorkerMetrics
 from servegate.worker.request import Request
@@ -237,3 +238,30 @@ def test_a_request_sharing_a_prefix_waits_and_reuses_the_cache(model) -> None:
     assert first.cached_tokens == 0 and second.cached_tokens == 40
     assert second.output_ids == cold.output_ids
     assert first.first_token_time <= second.first_token_time
+
+
+def test_decoding_past_the_spare_kv_columns_matches_transformers_generate(model, monkeypatch) -> None:
+    """The running batch's KV is written in place into spare columns and moved to a larger buffer when they run
+    out (``batch._KV_SPARE_TOKENS``); rows joining, leaving and growing past them give ``generate``'s own tokens."""
+    spare = 8  # few spare columns, so that short outputs run out of them several times
+    monkeypatch.setattr(batch_module, "_KV_SPARE_TOKENS", spare)
+    lengths = [spare + 6, 3 * spare + 5, spare // 2]
+    want = []
+    for i, n in enumerate(lengths):
+        ids = torch.tensor([_request(i, n).input_ids])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+        want.append(out[0, ids.shape[1]:].tolist())
+    reqs = [_request(i, n) for i, n in enumerate(lengths)]
+    scheduler = _scheduler(model, enable_prefix_cache=False)
+    try:
+        scheduler.submit(reqs[0])
+        while len(reqs[0].output_ids) < 3:  # the others join a running batch
+            time.sleep(0.005)
+        scheduler.submit_batch(reqs[1:])
+        _wait(reqs)
+    finally:
+        scheduler.stop()
+    assert [r.output_ids for r in reqs] == want
+    assert len({tuple(o) for o in want}) == len(want)
