@@ -70,9 +70,11 @@ MEMORY_SAMPLE_S = 0.5
 """How often the worker tree's resident memory is sampled. An inference worker's memory is a plateau
 (weights and the KV pool are allocated at start-up and kept), which half-second samples find; a spike
 shorter than this can be missed."""
-TREE_REFRESH_SAMPLES = 4
-"""Descendants are looked up every this many samples (a /proc scan, the costly part of a sample); the
-known processes' memory every sample."""
+TREE_REFRESH_SAMPLES = 10
+"""Descendants are looked up every this many samples (every 5 s): that is a scan of /proc, 2-10 ms of the
+gate process's time on a 120-process host, which also runs the load generator; the known processes'
+memory (one small /proc read each) every sample. Engines start their subprocesses while loading, long
+before the measurements."""
 MIB = 1024 * 1024
 
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from servegate.launch import MIB, MemoryHighWater
+from servegate.launch import MIB, TREE_REFRESH_SAMPLES, MemoryHighWater
 from servegate.proctree import end_session
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,9 +38,9 @@ def test_high_water_mark_sums_the_whole_tree_and_keeps_its_peak():
     memory = MemoryHighWater(proc.pid, interval_s=0.1).start()
     try:
         assert proc.stdout.readline().strip() == "held"
-        both = memory.sample()  # the child is a descendant: looked up on the first sample after a refresh
-        for _ in range(4):  # a refresh of the tree happens every few samples
-            both = max(both, memory.sample())
+        for _ in range(3 * TREE_REFRESH_SAMPLES):  # the child is found by the next look-up of the tree
+            memory.sample()
+        both = memory.peak_bytes
         assert both >= 2 * HOLD_MIB * MIB, both / MIB  # parent + child, not the parent alone
         proc.stdin.write("go\n")
         proc.stdin.flush()
