@@ -84,7 +84,9 @@ def prefect_api(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": url,
-           "PREFECT_UI_URL": f"http://127.0.0.1:{port}", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           # no UI to serve (a few seconds less to start); its URL is still what the messages link to
+           "PREFECT_UI_ENABLED": "false", "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_SERVICES_LATE_RUNS_AFTER_SECONDS": "1",
            "PREFECT_SERVER_SERVICES_LATE_RUNS_LOOP_SECONDS": "1",
            "PREFECT_SERVER_EVENTS_PROACTIVE_GRANULARITY": "PT1S",
