@@ -5,10 +5,10 @@
   the breaches and the comparison with the baseline (rows grouped under one heading per stage,
   :data:`servegate.tables.TABLE_STAGE`; a note several rows share said once above the tables, the
   rows pointing at it), the worker's start-up time, memory high-water mark and cost per million
-  output tokens (the report-only metrics; cost only with ``[cost] price_per_hour``), one-batch latency vs batch size, serving
-  TTFT/ITL CDFs against the baseline, occupancy over time (and, for a run that speculated, its
-  accept length over time beside the serving ITLs), each gated metric's nightly trend
-  with its baseline band (baseline value x [1 - bound, 1 + bound]), and, when the run has a
+  output tokens (the report-only metrics; cost only with ``[cost] price_per_hour``), one-batch
+  latency vs batch size, serving TTFT/ITL CDFs against the baseline, occupancy over time (and,
+  for a run that speculated, its accept length over time beside the serving ITLs), each compared
+  metric's nightly trend (the report-only ones too) with its baseline band (baseline value x [1 - bound, 1 + bound]), and, when the run has a
   ``paired`` table, the paired comparison: per metric ratio, interval and decision, per gated
   metric the per-round ratios and the interval narrowing round by round, and the provenance of
   both workers. The plots are :mod:`servegate.plots`.
