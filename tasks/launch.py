@@ -16,7 +16,8 @@ from servegate.tasks._stage import perform
 def launch(run: GateRun) -> StageResult | State:
     result = perform(run, "launch")
     if run.worker is not None:
+        took = "" if run.worker.startup_s is None else f" after {run.worker.startup_s:.1f} s"
         publish(run.config.name, "launch",
                 f"# launch\nworker `{run.config.worker.engine}` / `{run.config.worker.model}` ready at "
-                f"{run.worker.base_url}\n\nmemory budget: `{run.config.worker.budget().settings()}`")
+                f"{run.worker.base_url}{took}\n\nmemory budget: `{run.config.worker.budget().settings()}`")
     return result
