@@ -28,10 +28,10 @@ defined (a deployment dropped from the file) is deleted. See docs/missing-data.m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from uuid import UUID
 
 import yaml
@@ -54,6 +54,7 @@ MARGIN_S = 900.0
 DEFAULT_DEADLINE_S = 6 * 3600.0
 """For a scheduled deployment with no ``timeout_s`` parameter (calibration: 12 smoke gates take ~30 min)."""
 GATE_ENTRYPOINT = "flows/gate.py:regression_gate"
+T = TypeVar("T")
 MIN_WINDOW_S = 10.0
 """Prefect evaluates a proactive trigger over at least 10 s (``EventTrigger.within``)."""
 
@@ -371,7 +372,7 @@ def _api_url() -> str:
     return url
 
 
-def _on_server(work):  # noqa: ANN001, ANN202 - a callable given the client; its result is returned
+def _on_server(work: Callable[[SyncPrefectClient], T]) -> T:
     """Run ``work(client)`` against PREFECT_API_URL, foreign errors mapped to servegate's."""
     import httpx
     from prefect.client.orchestration import get_client
