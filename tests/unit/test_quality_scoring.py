@@ -304,12 +304,70 @@ def test_teacher_forced_reference_scores_the_workers_tokens():
     model, tokenizer = load_model(ensure_model("tiny-random"), dtype="float32")
     prompt = tokenizer.encode("Once upon a time")
     [(tokens, logprobs)] = reference_generate(model, [prompt], max_new_tokens=4)
-    forced = teacher_forced_reference(model, prompt, tokens, 4)
+    other = [tokens[0], (tokens[1] + 1) % 1000, tokens[2]]
+    forced, forced_other, empty = teacher_forced_reference(model, [prompt, prompt, prompt], [tokens, other, []], 4)
     # On its own greedy output the reference's token is its argmax: gap 0, same values.
     assert [lp for lp, _ in forced] == pytest.approx(logprobs, abs=1e-4)
     assert [top for _, top in forced] == pytest.approx(logprobs, abs=1e-4)
-    other = [tokens[0], (tokens[1] + 1) % 1000, tokens[2]]
-    forced_other = teacher_forced_reference(model, prompt, other, 4)
     assert len(forced_other) == 3
     assert forced_other[1][0] < forced_other[1][1]
-    assert teacher_forced_reference(model, prompt, [], 4) == []
+    assert empty == []
+    with pytest.raises(ConfigError, match="one output per prompt"):
+        teacher_forced_reference(model, [prompt], [tokens, other], 4)
+
+
+# Batched against one at a time: fp32, so only float rounding may differ (tolerance 1e-4 nats,
+# where a broken mask or position shows as whole nats), with prompts of different lengths (left
+# padding for generation, right padding for scoring). tiny-random: rotary positions and a causal
+# mask like the real model's, at a cost of seconds.
+
+
+@pytest.fixture(scope="module")
+def tiny_f32():
+    return load_model(ensure_model("tiny-random"), dtype="float32")
+
+
+def test_batched_reference_generate_equals_one_prompt_at_a_time(tiny_f32):
+    from servegate.bench.quality import reference_threads
+
+    model, tokenizer = tiny_f32
+    prompts = [tokenizer.encode(text) for _, text in load_reference_prompts(DEFAULT_REFERENCE_PROMPTS)]
+    assert len({len(p) for p in prompts}) > 1  # padding is exercised
+    with reference_threads():
+        batched = reference_generate(model, prompts, max_new_tokens=8)
+        alone = [reference_generate(model, [prompt], max_new_tokens=8)[0] for prompt in prompts]
+    for (tokens, logprobs), (alone_tokens, alone_logprobs) in zip(batched, alone):
+        assert tokens == alone_tokens
+        assert logprobs == pytest.approx(alone_logprobs, abs=1e-4)
+
+
+def test_batched_in_process_scoring_equals_one_item_at_a_time(tiny_f32):
+    from servegate.bench.quality import reference_threads, score_items_in_process
+
+    model, tokenizer = tiny_f32
+    encoded = [encode_item(tokenizer, it) for it in load_mc_items(DEFAULT_DATASET)[:12]]
+    with reference_threads():
+        batched = score_items_in_process(model, encoded, items_per_forward=5)
+        alone = score_items_in_process(model, encoded, items_per_forward=1)
+    assert [[len(e) for e in item] for item in batched] == [[len(e) for e in enc.ending_ids] for enc in encoded]
+    for b_item, a_item in zip(batched, alone):
+        for b, a in zip(b_item, a_item):
+            assert b == pytest.approx(a, abs=1e-4)
+    with pytest.raises(ConfigError, match="items_per_forward"):
+        score_items_in_process(model, encoded, items_per_forward=0)
+
+
+def test_tokenizer_file_gives_the_transformers_tokenizers_ids():
+    from transformers import AutoTokenizer
+
+    from servegate.bench.quality import load_tokenizer
+    from servegate.bench.quality.data import TokenizerFile
+
+    hf = AutoTokenizer.from_pretrained(str(ensure_model("smollm2-135m")))
+    fast = load_tokenizer("smollm2-135m")
+    assert isinstance(fast, TokenizerFile)
+    items = load_mc_items(DEFAULT_DATASET)
+    for item in items:
+        assert encode_item(fast, item) == encode_item(hf, item)
+    for _, text in load_reference_prompts(DEFAULT_REFERENCE_PROMPTS):
+        assert fast.encode(text) == hf.encode(text)

@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -38,12 +39,15 @@ from servegate.errors import ConfigError
 
 __all__ = [
     "REFERENCE_SCHEMA_VERSION",
+    "REFERENCE_THREADS",
     "ReferenceOutput",
+    "reference_threads",
     "reference_generate",
     "reference_outputs",
     "teacher_forced_reference",
     "record_reference",
     "load_reference",
+    "ITEMS_PER_FORWARD",
     "score_items_in_process",
     "run_accuracy_in_process",
 ]
@@ -62,64 +66,114 @@ class ReferenceOutput:
     output_logprobs: list[float]
 
 
-def teacher_forced_reference(model: Any, prompt_ids: Sequence[int], worker_ids: Sequence[int],
-                             n_tokens: int) -> list[tuple[float, float]]:
-    """``(reference logprob of worker token k, reference top-1 logprob)`` for the first ``n_tokens``.
+REFERENCE_THREADS: Final = 1
+"""torch intra-op threads of the in-process reference. It runs beside the worker's scoring (the
+stage overlaps them), and on a shared machine OpenMP threads that wait for a preempted sibling
+stall: measured on 2 cores at load 5, 32 reference forwards took 12.6-23.6 s on 2 threads and
+1.7-1.8 s on 1 (issue 17). The reference is a small model scored in batches; one thread is enough."""
 
-    One forward pass over ``prompt + worker output`` (float32 log-softmax), i.e. the reference
-    model scoring the worker's own continuation.
+
+@contextlib.contextmanager
+def reference_threads(threads: int = REFERENCE_THREADS) -> Iterator[None]:
+    """Run the enclosed torch work on ``threads`` intra-op threads, then restore the count.
+
+    Enter it on the thread that runs the work: OpenMP's thread count is per calling thread.
     """
-    from servegate.worker.logprobs import input_token_logprobs
+    import torch
 
-    out = [int(t) for t in worker_ids[:n_tokens]]
-    if not out:
-        return []
-    ids = [int(t) for t in prompt_ids]
-    triples, tops = input_token_logprobs(model, ids + out, start_len=len(ids) - 1, top_k=1)
-    return [(float(t[0]), float(top[0][0])) for t, top in zip(triples[1:], tops[1:])]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def teacher_forced_reference(model: Any, prompts: Sequence[Sequence[int]], worker_outputs: Sequence[Sequence[int]],
+                             n_tokens: int) -> list[list[tuple[float, float]]]:
+    """Per prompt, ``(reference logprob of worker token k, reference top-1 logprob)`` for its first ``n_tokens``.
+
+    The reference model scoring the worker's own continuations: ``prompt + worker output`` of
+    every prompt in one right-padded forward pass (float32 log-softmax,
+    :func:`servegate.worker.logprobs.batch_input_token_logprobs`). A prompt whose worker output
+    is empty gets ``[]``.
+    """
+    from servegate.worker.logprobs import batch_input_token_logprobs
+
+    if len(prompts) != len(worker_outputs):
+        raise ConfigError(f"{len(prompts)} prompts but {len(worker_outputs)} worker outputs; give one output per prompt")
+    forced: list[list[tuple[float, float]]] = [[] for _ in prompts]
+    scored = [i for i, out in enumerate(worker_outputs) if len(out[:n_tokens])]
+    batch = [[int(t) for t in prompts[i]] + [int(t) for t in worker_outputs[i][:n_tokens]] for i in scored]
+    starts = [len(prompts[i]) - 1 for i in scored]
+    results = batch_input_token_logprobs(model, batch, starts, top_k=1) if scored else []
+    for i, (triples, tops) in zip(scored, results):
+        forced[i] = [(float(t[0]), float(top[0][0])) for t, top in zip(triples[1:], tops[1:])]
+    return forced
 
 
 def reference_generate(model: Any, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
     """Greedy decoding (EOS ignored, as the worker is asked to) with each step's log-probability.
 
-    One prompt at a time with a KV cache; the log-softmax is float32
-    (:func:`servegate.worker.logprobs.token_logprobs_from_logits`).
+    Every prompt at once: one left-padded batch with a KV cache, padded columns masked out and
+    each row's positions starting at 0 at its first real token, so that each row's tokens and
+    log-probabilities are those of the prompt decoded alone, to float rounding (a test compares
+    the two). The argmax is taken over the float32 logits, the log-softmax in float32
+    (:func:`servegate.worker.logprobs.log_softmax_f32`).
     """
     import torch
 
-    from servegate.worker.logprobs import token_logprobs_from_logits
+    from servegate.worker.logprobs import log_softmax_f32
 
+    seqs = [[int(t) for t in ids] for ids in prompts]
+    if not seqs:
+        return []
+    if not all(seqs):
+        raise ConfigError("a reference prompt encodes to no tokens; give prompts with text in them")
+    lengths = [len(s) for s in seqs]
+    width = max(lengths)
     device = next(model.parameters()).device
-    results = []
+    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    positions = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, ids in enumerate(seqs):
+        pad = width - len(ids)
+        input_ids[i, pad:] = torch.tensor(ids, dtype=torch.long)
+        mask[i, pad:] = 1
+        positions[i, pad:] = torch.arange(len(ids), dtype=torch.long)
+    tokens: list[list[int]] = [[] for _ in seqs]
+    logprobs: list[list[float]] = [[] for _ in seqs]
     with torch.inference_mode():
-        for ids in prompts:
-            out = model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device), use_cache=True,
-                        logits_to_keep=1)
-            tokens: list[int] = []
-            logprobs: list[float] = []
-            for step in range(max_new_tokens):
-                row = out.logits[0, -1]
-                token = int(row.float().argmax())
-                triple, _ = token_logprobs_from_logits(row, token)
-                tokens.append(token)
-                logprobs.append(float(triple[0]))
-                if step + 1 < max_new_tokens:
-                    out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
-                                use_cache=True)
-            results.append((tokens, logprobs))
-    return results
+        out = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                    use_cache=True, logits_to_keep=1)
+        next_pos = torch.tensor(lengths, dtype=torch.long)
+        for step in range(max_new_tokens):
+            rows = out.logits[:, -1].float()
+            chosen = rows.argmax(dim=-1)
+            chosen_lp = log_softmax_f32(rows).gather(1, chosen[:, None])[:, 0]
+            for i, (token, lp) in enumerate(zip(chosen.tolist(), chosen_lp.tolist())):
+                tokens[i].append(int(token))
+                logprobs[i].append(float(lp))
+            if step + 1 < max_new_tokens:
+                mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+                out = model(input_ids=chosen[:, None].to(device), attention_mask=mask.to(device),
+                            position_ids=next_pos[:, None].to(device), past_key_values=out.past_key_values,
+                            use_cache=True, logits_to_keep=1)
+                next_pos += 1
+    return list(zip(tokens, logprobs))
 
 
 def reference_outputs(model_name: str, prompts: Sequence[tuple[str, str]], max_new_tokens: int,
                        dtype: str = "float32") -> tuple[list[ReferenceOutput], dict[str, Any], Any]:
-    """``(outputs, model identity, loaded model)`` of an in-process greedy run."""
+    """``(outputs, model identity, loaded model)`` of an in-process greedy run (on :data:`REFERENCE_THREADS`)."""
     from servegate.models import ensure_model, load_model, model_identity
 
     path = ensure_model(model_name)
-    model, tokenizer = load_model(path, dtype=dtype)
-    input_ids = [[int(t) for t in tokenizer.encode(text)] for _, text in prompts]
-    generated = reference_generate(model, input_ids, max_new_tokens)
+    with reference_threads():
+        model, tokenizer = load_model(path, dtype=dtype)
+        input_ids = [[int(t) for t in tokenizer.encode(text)] for _, text in prompts]
+        generated = reference_generate(model, input_ids, max_new_tokens)
     outputs = [ReferenceOutput(prompt_id=pid, prompt=text, input_ids=ids, output_ids=toks, output_logprobs=lps)
                for (pid, text), ids, (toks, lps) in zip(prompts, input_ids, generated)]
     identity = {**model_identity(path), "model": model_name, "dtype": dtype}
@@ -196,19 +250,31 @@ def load_reference(path: str | Path) -> tuple[list[ReferenceOutput], dict[str, A
     return outputs, doc.model, doc.max_new_tokens
 
 
+ITEMS_PER_FORWARD: Final = 16
+"""Items scored per forward pass in-process: every ending of 16 items (~64 rows of ~15 tokens on
+the shipped set) in one right-padded batch."""
+
+
 def score_items_in_process(model: Any, encoded: Sequence[EncodedItem], *, pad_token_id: int = 0,
+                           items_per_forward: int = ITEMS_PER_FORWARD,
                            progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
-    """Each ending's token log-probabilities straight from the model (one padded batch per item)."""
+    """Each ending's token log-probabilities straight from the model: the endings of
+    ``items_per_forward`` items in one right-padded batch (the values of one item at a time, to
+    float rounding: right padding leaves every real position's logits as they are)."""
     from servegate.worker.logprobs import batch_input_token_logprobs
 
-    out = []
-    for i, enc in enumerate(encoded):
-        start = len(enc.ctx_ids) - 1
-        batch = [enc.ctx_ids + e for e in enc.ending_ids]
-        results = batch_input_token_logprobs(model, batch, [start] * len(batch), pad_token_id=pad_token_id)
-        out.append([[float(t[0]) for t in triples[1:]] for triples, _ in results])
-        if progress is not None:
-            progress(i)
+    if items_per_forward < 1:
+        raise ConfigError(f"items_per_forward must be >= 1, got {items_per_forward}")
+    out: list[list[list[float]]] = []
+    for first in range(0, len(encoded), items_per_forward):
+        group = encoded[first:first + items_per_forward]
+        batch = [enc.ctx_ids + e for enc in group for e in enc.ending_ids]
+        starts = [len(enc.ctx_ids) - 1 for enc in group for _ in enc.ending_ids]
+        rows = iter(batch_input_token_logprobs(model, batch, starts, pad_token_id=pad_token_id))
+        for i, enc in enumerate(group, start=first):
+            out.append([[float(t[0]) for t in next(rows)[0][1:]] for _ in enc.ending_ids])
+            if progress is not None:
+                progress(i)
     return out
 
 

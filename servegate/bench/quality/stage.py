@@ -10,12 +10,13 @@ thread, ``ThreadSessions``), bounded from send to last byte by ``quality.request
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 
@@ -29,7 +30,13 @@ from servegate.bench.quality.data import (
     load_tokenizer,
     sample_items,
 )
-from servegate.bench.quality.reference import load_reference, reference_outputs, teacher_forced_reference
+from servegate.bench.quality.reference import (
+    ReferenceOutput,
+    load_reference,
+    reference_outputs,
+    reference_threads,
+    teacher_forced_reference,
+)
 from servegate.bench.quality.scoring import compare_outputs, score_items, summarise_accuracy, summarise_agreement
 from servegate.config import QualityConfig
 from servegate.engines.base import Engine
@@ -38,6 +45,8 @@ from servegate.http import ThreadSessions, body_excerpt, json_body, make_session
 from servegate.tables import AGREEMENT_ROW_COLUMNS
 
 __all__ = ["QualityResult", "server_ending_logprobs", "server_greedy_outputs", "run_quality"]
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -123,14 +132,27 @@ def _run_accuracy(base_url: str, wire: WireProtocol, cfg: QualityConfig, tokeniz
                               duration_s=duration), table
 
 
-def _run_agreement(base_url: str, wire: WireProtocol, cfg: QualityConfig, model_name: str,
-                   api_key: str | None, served_model: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+@dataclass
+class _Reference:
+    """What the worker's greedy outputs are held to, ready before the worker is asked for them."""
+
+    outputs: list[ReferenceOutput]
+    identity: dict[str, Any]
+    model: Any | None
+    """The loaded in-process reference model (teacher-forced comparison); None for a stored reference."""
+    source: str
+    n_generate: int
+    duration_s: float
+
+
+def _prepare_reference(cfg: QualityConfig, model_name: str) -> _Reference:
+    """The in-process reference run (model load, batched greedy decoding) or the stored reference, checked."""
     started = time.perf_counter()
     prompts = load_reference_prompts(cfg.reference_prompts_path)
     model = None
     if cfg.reference == "in-process":
         reference, identity, model = reference_outputs(model_name, prompts, cfg.reference_max_new_tokens)
-        source = "in-process"
+        source, n_generate = "in-process", cfg.reference_max_new_tokens
     else:
         reference, identity, stored_tokens = load_reference(cfg.reference)
         source = str(Path(cfg.reference).expanduser())
@@ -142,22 +164,46 @@ def _run_agreement(base_url: str, wire: WireProtocol, cfg: QualityConfig, model_
         if stored != wanted:
             raise ConfigError(f"stored reference {source} was recorded for other prompts than "
                               f"{cfg.reference_prompts_path}; record it again from these prompts")
-    n_generate = cfg.reference_max_new_tokens
-    if source != "in-process":
-        n_generate = min(n_generate, stored_tokens)
-    outputs = server_greedy_outputs(base_url, wire, [r.input_ids for r in reference], n_generate,
+        n_generate = min(cfg.reference_max_new_tokens, stored_tokens)
+    return _Reference(outputs=reference, identity=identity, model=model, source=source, n_generate=n_generate,
+                      duration_s=time.perf_counter() - started)
+
+
+def _in_background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
+    """``fn(*args)`` on a daemon thread; its result (or exception) in the returned future. A daemon,
+    so that a stage failing before it asks for the result is not held up by it at exit."""
+    future: Future[_T] = Future()
+
+    def target() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever asks for the result, raised there
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name="servegate-quality-reference", daemon=True).start()
+    return future
+
+
+def _run_agreement(base_url: str, wire: WireProtocol, cfg: QualityConfig, ref: _Reference, model_name: str,
+                   api_key: str | None, served_model: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    started = time.perf_counter()
+    outputs = server_greedy_outputs(base_url, wire, [r.input_ids for r in ref.outputs], ref.n_generate,
                                     api_key=api_key, model=served_model, timeout_s=cfg.request_timeout_s)
-    rows = []
-    for ref, (ids, lps) in zip(reference, outputs):
-        forced = (teacher_forced_reference(model, ref.input_ids, ids, cfg.exact_match_tokens)
-                  if model is not None else None)
-        rows.append(compare_outputs(ids, lps, ref.output_ids, ref.output_logprobs, cfg.exact_match_tokens,
-                                    cfg.logprob_tolerance, prompt_id=ref.prompt_id, teacher_forced=forced))
+    forced: list[list[tuple[float, float]]] | list[None] = [None] * len(ref.outputs)
+    if ref.model is not None:
+        with reference_threads():
+            forced = teacher_forced_reference(ref.model, [r.input_ids for r in ref.outputs],
+                                              [ids for ids, _ in outputs], cfg.exact_match_tokens)
+    rows = [compare_outputs(ids, lps, r.output_ids, r.output_logprobs, cfg.exact_match_tokens, cfg.logprob_tolerance,
+                            prompt_id=r.prompt_id, teacher_forced=tf)
+            for r, (ids, lps), tf in zip(ref.outputs, outputs, forced)]
     table = pd.DataFrame(rows, columns=AGREEMENT_ROW_COLUMNS)
-    model_label = str(identity.get("name") or identity.get("model") or model_name)
+    model_label = str(ref.identity.get("name") or ref.identity.get("model") or model_name)
     summary = summarise_agreement(table, n_tokens=cfg.exact_match_tokens, tolerance=cfg.logprob_tolerance,
-                                  reference_source=source, reference_model=model_label,
-                                  duration_s=time.perf_counter() - started)
+                                  reference_source=ref.source, reference_model=model_label,
+                                  duration_s=ref.duration_s + time.perf_counter() - started)
     return summary, table
 
 
@@ -185,8 +231,12 @@ def run_quality(base_url: str, engine: Engine, cfg: QualityConfig, api_key: str 
     model_name = model_for_reference or served_model or ""
     if tokenizer is None:
         tokenizer = load_tokenizer(model_name)
+    # The reference (an in-process run: imports, model load, greedy decoding) is prepared while the
+    # worker scores the items; nothing here is timed against the worker, so the overlap costs no accuracy.
+    reference = _in_background(_prepare_reference, cfg, model_name)
     accuracy, items = _run_accuracy(base_url, wire, cfg, tokenizer, api_key, served_model)
     tables.update(quality_accuracy=accuracy, quality_items=items)
-    agreement, agreement_rows = _run_agreement(base_url, wire, cfg, model_name, api_key, served_model)
+    agreement, agreement_rows = _run_agreement(base_url, wire, cfg, reference.result(), model_name, api_key,
+                                               served_model)
     tables.update(quality_agreement=agreement, quality_agreement_rows=agreement_rows)
     return QualityResult(accuracy=accuracy, items=items, agreement=agreement, agreement_rows=agreement_rows)
