@@ -101,7 +101,8 @@ def teacher_forced_reference(model: Any, prompts: Sequence[Sequence[int]], worke
     from servegate.worker.logprobs import batch_input_token_logprobs
 
     if len(prompts) != len(worker_outputs):
-        raise ConfigError(f"{len(prompts)} prompts but {len(worker_outputs)} worker outputs; give one output per prompt")
+        raise ConfigError(f"{len(prompts)} prompts but {len(worker_outputs)} worker outputs; "
+                          f"give one output per prompt")
     forced: list[list[tuple[float, float]]] = [[] for _ in prompts]
     scored = [i for i, out in enumerate(worker_outputs) if len(out[:n_tokens])]
     batch = [[int(t) for t in prompts[i]] + [int(t) for t in worker_outputs[i][:n_tokens]] for i in scored]
