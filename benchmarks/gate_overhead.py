@@ -16,8 +16,10 @@ with ``started_at``/``duration_s``) and splits the wall time into:
 
 Measurement = one_batch + serving + occupancy (+ quality when it ran). It prints the
 non-measurement share (target <= 10 %) and the fixed start-up, process start -> first
-measurement stage (target <= 15 s). It also times the bare imports, to say what part of the
-start-up is Python importing Prefect/GX/torch.
+measurement stage (target <= 10 s, issue 17), from the first measurement stage's ``started_at``
+(stamped by ``GateRun.stage`` since issue 17; a run folder from before has none, and then the
+durations of the stages before it are added up, which leaves out the gaps between them). It
+also times the bare imports, to say what part of the start-up is Python importing Prefect/GX/torch.
 
     python benchmarks/gate_overhead.py
     python benchmarks/gate_overhead.py --set serving.num_prompts=48 --keep
@@ -39,7 +41,7 @@ from typing import Any
 
 MEASUREMENT_STAGES = ("one_batch", "serving", "occupancy", "quality")
 TARGET_SHARE = 0.10
-TARGET_STARTUP_S = 15.0
+TARGET_STARTUP_S = 10.0
 
 
 def _ts(value: str | None) -> float | None:
@@ -125,6 +127,7 @@ def breakdown(result: dict[str, Any]) -> dict[str, Any]:
         "measurement_s": measured,
         "non_measurement_share": 1.0 - measured / wall,
         "fixed_startup_s": fixed,
+        "startup_from_stamp": bool(firsts),
     }
 
 
@@ -169,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
              ("tear-down after the flow", b["teardown_after_flow_s"])]
     for label, secs in rows:
         print(f"{label:34s} {secs:8.2f} s  {secs / w * 100:5.1f} %")
-    print(f"{'measurement (one_batch+serving+occupancy)':34s} {b['measurement_s']:8.2f} s")
+    print(f"{'measurement (' + '+'.join(MEASUREMENT_STAGES) + ')':34s} {b['measurement_s']:8.2f} s")
+    if not b["startup_from_stamp"]:
+        print("(the run folder's stage records carry no started_at: start-up is the stages before the first "
+              "measurement added up, without the gaps between them)")
     share, startup = b["non_measurement_share"], b["fixed_startup_s"]
     share_met = "met" if share <= TARGET_SHARE else "NOT met"
     print(f"non-measurement share {share:.1%} (target <= {TARGET_SHARE:.0%}: {share_met}); "

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -243,7 +244,7 @@ class GateRun:
     def skipped(self, stage: str, status: str, reason: str) -> StageResult:
         """Record that ``stage`` did not run, and why."""
         result = StageResult(stage, status=status, error=reason)  # type: ignore[arg-type]
-        self._keep(result)
+        self._keep(result, started_at=datetime.now(timezone.utc))
         console.stage_ended(stage, status, None, reason)
         return result
 
@@ -257,6 +258,7 @@ class GateRun:
         (Ctrl-C, SIGTERM) is recorded and raised: the gate stops.
         """
         result = StageResult(stage)
+        started_at = datetime.now(timezone.utc)
         timer = self._arm_deadline(stage)
         console.stage_started(stage)
         try:
@@ -275,15 +277,17 @@ class GateRun:
             timer.cancel()
             result.duration_s = time.perf_counter() - result.started
             try:
-                self._keep(result)
+                self._keep(result, started_at=started_at)
             finally:
                 console.stage_ended(stage, result.status, result.duration_s, result.error)
 
-    def _keep(self, result: StageResult) -> None:
+    def _keep(self, result: StageResult, started_at: datetime | None = None) -> None:
         """Write the result's tables and its record, at once. A stage that failed before its
         measurement ended keeps what it had as ``<table>.partial`` (on disk, never validated); one
         whose measurement ended but whose worker was then found dead keeps its tables (recorded and
-        validated, the verdict inconclusive all the same: the breaches are listed, not trusted)."""
+        validated, the verdict inconclusive all the same: the breaches are listed, not trusted).
+        ``started_at`` (UTC) goes into the manifest's record, so that the time between stages can be
+        told from the stages (``benchmarks/gate_overhead.py``); a carried record has none."""
         for name, df in result.tables.items():
             if result.ok or result.complete:
                 self.folder.write_table(name, df)
@@ -292,6 +296,8 @@ class GateRun:
         if not (result.ok or result.complete):
             result.tables = {}
         record = result.record()
+        if started_at is not None:
+            record.started_at = started_at
         self._records[record.stage] = record
         self.folder.write_json("stages", {name: r.model_dump(mode="json", exclude={"started_at"})
                                           for name, r in self._records.items()})
