@@ -138,11 +138,11 @@ def send_matrix_alert(alert: Alert, block_names: list[str]) -> list[dict[str, An
     return deliveries
 
 
-def not_composed(why: str | None, block_names: list[str]) -> list[dict[str, Any]]:
-    """Each block's delivery when the message itself could not be composed (logged as an error)."""
-    get_run_logger().error("ALERT NOT SENT: the matrix's message could not be composed (%s); the verdict stands",
-                           why or "no message")
-    return [{"block": name, "sent": False, "error": f"message not composed: {why}"} for name in block_names]
+def not_sent(why: str | None, block_names: list[str]) -> list[dict[str, Any]]:
+    """Each block's delivery when composing or sending the message failed as a whole (logged as an error)."""
+    get_run_logger().error("ALERT NOT SENT: the matrix's message could not be composed or sent (%s); the verdict "
+                           "stands", why or "no message")
+    return [{"block": name, "sent": False, "error": f"alert failed: {why}"} for name in block_names]
 
 
 @flow(name="nightly-matrix", log_prints=False, validate_parameters=True)
@@ -159,6 +159,6 @@ def nightly_matrix(gates: list[GateJob], timeout_s: float = 6 * 3600, alert_bloc
     if alert_blocks and should_alert(result, on_pass=alert_on_pass):
         # An alert that cannot be composed or sent is logged; it never changes the matrix's verdict.
         alert = compose_matrix_alert(result, alert_links or AlertLinks(), return_state=True)
-        result["alerts"] = (send_matrix_alert(alert.result(), alert_blocks) if alert.is_completed()
-                            else not_composed(alert.message, alert_blocks))
+        sent = send_matrix_alert(alert.result(), alert_blocks, return_state=True) if alert.is_completed() else alert
+        result["alerts"] = sent.result() if sent.is_completed() else not_sent(sent.message, alert_blocks)
     return result
