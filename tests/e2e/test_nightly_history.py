@@ -12,6 +12,10 @@ share one history database, as three nights of one gate key would:
 3. the worker with every forward pass made 5x slower (``--fault-decode-slowdown-pct 400``):
    the decode metrics regress -> fail (exit 1), with ratio and CI in the HTML report and in
    ``servegate status``, even where another gated metric is undecided.
+
+Every night also compares what the worker cost (start-up time, memory high-water mark, cost per
+million output tokens at a configured price): report-only rows, never gated, in the report's table
+and trends.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ FAST = [
     "--set", "compare.enabled=true",
     "--set", f"compare.bound={BOUND}",
     "--set", f"compare.tail_bound={TAIL_BOUND}",
+    "--set", "cost.price_per_hour=2.5",
 ]
 # +400 % on every forward pass (a sleep, so a busy machine does not shrink it): ITL x3.4-5.4 given
 # that the fault moves ITL by 0.6-1.1x its percentage. Even with a between-run sd of 0.3 in log
@@ -51,6 +56,8 @@ FAST = [
 SLOWDOWN_PCT = 400
 SLOWDOWN = ["--set", f'worker.extra_args=["--fault-decode-slowdown-pct","{SLOWDOWN_PCT}"]']
 DECODE_METRICS = ("serving.itl_ms.median", "serving.tpot_ms.median")
+# Compared and shown, never gated (issue 19): what the worker cost.
+REPORT_ONLY = ("worker.startup_s.median", "worker.peak_rss_mib.median", "cost.cost_per_mtok_output.median")
 SHOWN = ["metric", "case", "ratio", "ci_low", "ci_high", "n_baseline", "n_current", "n_baseline_runs", "gated",
          "decision", "reason"]
 
@@ -92,6 +99,16 @@ def _shown(comparison: pd.DataFrame) -> str:
     return "comparison:\n" + comparison[SHOWN].to_string()
 
 
+def _report_only_rows(comparison: pd.DataFrame, baseline_runs: int) -> pd.DataFrame:
+    """The report-only rows: one per metric, never gated, each with this run's value."""
+    rows = comparison[comparison["metric"].isin(REPORT_ONLY)].set_index("metric")
+    assert sorted(rows.index) == sorted(REPORT_ONLY), _shown(comparison)
+    assert (~rows["gated"]).all() and (rows["decision"] == "report_only").all(), _shown(comparison)
+    assert (rows["n_baseline_runs"] == baseline_runs).all() and (rows["current_value"] > 0).all(), _shown(comparison)
+    assert rows["reason"].str.startswith("report-only metric, never gated").all(), _shown(comparison)
+    return rows
+
+
 def _g3(value: float) -> str:
     """A number as the HTML report prints it (3 significant digits)."""
     return f"{value:.3g}"
@@ -111,6 +128,7 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_deco
     assert gated1["reason"].str.contains("too little history").all(), _shown(cmp1)
     assert set(DECODE_METRICS) <= set(gated1["metric"]), _shown(cmp1)
     assert "fault injection active" not in (dir1 / "worker.log").read_text()
+    _report_only_rows(cmp1, 0)  # no infra error for them: listed above, all of them gated checks
 
     # Night 2, same worker: compared with night 1, no regression. It passes only when every gated
     # metric is shown unchanged; an undecided one (interval across the bound) makes it inconclusive
@@ -131,6 +149,7 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_deco
         assert verdict2["status"] == "pass" and verdict2["infra_errors"] == verdict2["undecided"] == [], verdict2
         baseline3 = {run1, run2}
     assert "fault injection active" not in (dir2 / "worker.log").read_text()
+    _report_only_rows(cmp2, 1)
 
     # Night 3, every forward pass 5x slower: the decode metrics regress against the baseline runs.
     verdict3, dir3, cmp3 = _night(tmp_path, *SLOWDOWN, expect_exit=1)
@@ -147,6 +166,12 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_deco
     assert not decode.empty, _shown(cmp3)
     for row in decode.itertuples(index=False):
         assert row.ratio > 2 and row.ci_low > 1 + BOUND and row.ci_low <= row.ratio <= row.ci_high, _shown(cmp3)
+    # What the worker cost is compared with the same baseline runs, from the tables the history kept.
+    costs = _report_only_rows(cmp3, len(baseline3))
+    assert costs.loc["cost.cost_per_mtok_output.median", "current_value"] == pytest.approx(
+        pd.read_parquet(dir3 / "cost.parquet")["cost_per_mtok_output"].iloc[0])
+    assert costs.loc["worker.startup_s.median", "current_value"] == pytest.approx(
+        pd.read_parquet(dir3 / "worker.parquet")["startup_s"].iloc[0])
 
     # The HTML report names each regressing decode metric with its ratio and CI.
     out = tmp_path / "night3.html"
@@ -154,6 +179,9 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_deco
     page = out.read_text(encoding="utf-8")
     assert 'id="verdict" style="background:' in page and ">fail</span>" in page
     rows = re.findall(r"<tr>.*?</tr>", page, re.S)
+    for metric in REPORT_ONLY:  # in the comparison table and trended, against the nights before
+        assert sum(f"<td>{metric}</td>" in r and "<td>report_only</td>" in r for r in rows) == 1, metric
+        assert f'data-plot="trend:{metric}"' in page, metric
     for row in decode.itertuples(index=False):
         shown = [r for r in rows if f"<td>{row.metric}</td>" in r and "regression" in r]
         assert len(shown) == 1, f"{row.metric}: {len(shown)} regression rows in the report"
