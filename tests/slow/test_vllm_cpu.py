@@ -106,6 +106,15 @@ def test_launch_builds_the_cpu_command_and_becomes_ready(vllm_worker: WorkerHand
         models = session.get(vllm_worker.base_url + "/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == "smollm2-135m"
     assert models["data"][0]["max_model_len"] == 2048
+    # What the launch cost (issue 19): vLLM's API server runs its engine core (weights, the 2 GiB KV
+    # space) in a child process; the memory high-water mark sums the whole tree, not the server alone.
+    assert vllm_worker.startup_s is not None and vllm_worker.startup_s > 1
+    root = psutil.Process(vllm_worker.pid)
+    tree = [root, *root.children(recursive=True)]
+    assert len(tree) >= 2, tree
+    sampled = vllm_worker.memory.sample()
+    assert sampled > 1.2 * root.memory_info().rss, (sampled, [(p.pid, p.memory_info().rss) for p in tree])
+    assert vllm_worker.memory.peak_bytes >= sampled >= 0.9 * sum(p.memory_info().rss for p in tree)
 
 
 @pytest.mark.slow
