@@ -79,7 +79,8 @@ def _load(handle: WorkerHandle, concurrency: int, input_len: int, output_len: in
     if not reqs["success"].all() or int(reqs["output_tokens"].sum()) != concurrency * output_len:
         errors = reqs.loc[~reqs["success"], "error"].tolist()
         raise SystemExit(f"{handle.engine.name}: expected {concurrency * output_len} output tokens in "
-                         f"{concurrency} successful streams, got {int(reqs['output_tokens'].sum())}; errors: {errors[:3]}")
+                         f"{concurrency} successful streams, got {int(reqs['output_tokens'].sum())}; "
+                         f"errors: {errors[:3]}")
     return float(result.summary["output_throughput"].iloc[0])
 
 
@@ -126,7 +127,8 @@ def main() -> int:
 
     rows = []
     others = [name for name in specs if name != "vllm"]
-    print(f"\n{'concurrency':>11}  {'server':>8}  {'tok/s':>7}  {'vLLM-CPU tok/s':>14}  {'/ vLLM':>6}  per-round ratios")
+    print(f"\n{'concurrency':>11}  {'server':>8}  {'tok/s':>7}  {'vLLM-CPU tok/s':>14}  {'/ vLLM':>6}  "
+          f"per-round ratios")
     for c in args.concurrency:
         v = rounds["vllm"][c]
         for name in others:

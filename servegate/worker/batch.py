@@ -63,7 +63,8 @@ class _BatchKVLayer(DynamicLayer):
         self._key_buf = self._value_buf = torch.zeros(0)
 
     def assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold ``keys``/``values`` (``[batch, kv_heads, tokens, head_dim]``), copied into buffers with spare columns."""
+        """Hold ``keys``/``values`` (``[batch, kv_heads, tokens, head_dim]``), copied into buffers with spare
+        columns (never aliased: the prefix cache may hold the tensors given)."""
         batch, heads, tokens, dim = keys.shape
         self._key_buf = keys.new_empty(batch, heads, tokens + _KV_SPARE_TOKENS, dim)
         self._value_buf = values.new_empty(batch, heads, tokens + _KV_SPARE_TOKENS, dim)
