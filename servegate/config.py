@@ -554,6 +554,9 @@ class PairedConfig(_Model):
         "smallest per-round sd of the log ratio the interval assumes (guards the first rounds against a lucky "
         "small spread)"))
     design_rounds: int = Field(30, ge=3, description="the round count the confidence sequence is tightest at")
+    confirm: bool = Field(True, description=(
+        "re-measure a gated metric found regressed, with fresh workers and fresh prompts, before it fails the "
+        "gate: reproduced -> regression; excluded -> 'unconfirmed' (shown, not a failure); neither -> inconclusive"))
     client_cpus: list[int] | None = Field(None, description="pin the load generator's thread(s) to these CPUs")
     seed: int = Field(1, description="seed of the prompts (round r uses seed + r) and of a random order")
     request_timeout_s: Seconds = Field(300.0, description="HTTP timeout per request")

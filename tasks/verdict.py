@@ -26,9 +26,14 @@ def verdict(run: GateRun, results: list[StageResult], validation: StageResult,
     calibration = next((r.notes["calibration"] for r in results if r.notes.get("calibration")), None)
     if calibration is not None:
         result = result.model_copy(update={"calibration": calibration})
-    run.folder.write_json("verdict", result.model_dump(mode="json"))
-    run.folder.finish()
     paired = next((r.tables["paired"] for r in results if "paired" in r.tables), None)
     rows = [] if paired is None else paired.to_dict(orient="records")
+    unconfirmed = [r["metric"] for r in rows if r.get("decision") == "unconfirmed"]
+    if unconfirmed:  # shown with the verdict, never a failure (paired.confirm)
+        result = result.model_copy(update={"reason": f"{result.reason}; unconfirmed regression of "
+                                                     f"{', '.join(unconfirmed)}: the re-measurement with fresh "
+                                                     f"workers excluded it (paired table)"})
+    run.folder.write_json("verdict", result.model_dump(mode="json"))
+    run.folder.finish()
     publish(run.config.name, "verdict", verdict_markdown(result, rows), description=f"gate verdict: {result.status}")
     return result

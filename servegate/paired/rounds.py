@@ -108,6 +108,10 @@ class PairedMeasurement:
         self.settle_s = spin + 0.5 if spin > 0 else 0.0
         self.stopped_because = ""
         self.restart_s: list[float] = []
+        # The confirmation (``paired.confirm``): the rounds from ``confirm_from`` on re-measure, with
+        # fresh workers and fresh prompts, the gated metrics the first measurement found regressed.
+        self.confirm_from: int | None = None
+        self.first: dict[str, dict[str, Any]] = {}  # per re-measured metric: the first measurement's figures
 
     # -- workers ------------------------------------------------------------------------------
     def _launch(self, side: _Side) -> None:
@@ -239,19 +243,49 @@ class PairedMeasurement:
             out.append(math.log(b / a) if a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b) else math.nan)
         return out
 
+    def _phase(self, metric: str, upto: int | None = None) -> tuple[int, int]:
+        """The rounds ``metric``'s figures at round ``upto`` rest on: the confirmation's for a metric
+        it re-measures (from its first round on), else the first measurement's."""
+        end = len(self.rounds) if upto is None else upto
+        if self.confirm_from is not None and metric in self.first:
+            return (self.confirm_from, end) if end > self.confirm_from else (0, end)
+        return 0, min(end, self.confirm_from) if self.confirm_from is not None else end
+
     def _decide(self, metric: str, upto: int | None = None) -> tuple[Interval, str]:
-        return decide_metric(self._log_ratios(metric)[:upto], PAIRED_METRICS[metric][1], self.p,
-                             [r["instance"] for r in self.rounds[:upto]])
+        start, end = self._phase(metric, upto)
+        return decide_metric(self._log_ratios(metric)[start:end], PAIRED_METRICS[metric][1], self.p,
+                             [r["instance"] for r in self.rounds[start:end]])
 
     def decided(self) -> bool:
-        return all(self._decide(m)[1] != "inconclusive" for m in self.p.gated)
+        """Every metric the current measurement decides is decided: the gated ones, or in the
+        confirmation the ones it re-measures."""
+        return all(self._decide(m)[1] != "inconclusive" for m in (self.first or self.p.gated))
+
+    def decision(self, metric: str) -> tuple[Interval, str, str | None]:
+        """The interval, the decision and why, of ``metric`` as the gate takes it: a regression the
+        confirmation reproduces stays one; one it excludes is ``unconfirmed``; one it can neither
+        reproduce nor exclude is inconclusive."""
+        iv, decision = self._decide(metric)
+        first = self.first.get(metric)
+        if first is None or self.confirm_from is None or len(self.rounds) <= self.confirm_from:
+            return iv, decision, None
+        then = (f"the first measurement (rounds 1-{self.confirm_from}) found a regression, x{first['ratio']:.3f} "
+                f"[{first['ci_low']:.3f}, {first['ci_high']:.3f}]")
+        again = f"the re-measurement (rounds {self.confirm_from + 1}-{len(self.rounds)}, fresh workers and prompts)"
+        if decision == "regression":
+            return iv, "regression", f"confirmed: {then}, and {again} reproduced it"
+        if decision == "inconclusive":
+            return iv, "inconclusive", (f"{then}; {again} neither reproduced nor excluded it; more rounds "
+                                        f"(paired.max_measure_s) would decide it")
+        return iv, "unconfirmed", (f"unconfirmed: {then}, but {again} excluded a regression of the bound "
+                                   f"({decision}); not a failure")
 
     def publish(self) -> None:
         """Write the tables as they stand (after every round: a failure later keeps them)."""
         rows = []
         for i, rnd in enumerate(self.rounds):
             for metric in PAIRED_METRICS:
-                iv, decision = self._decide(metric, i + 1)
+                iv, decision = self._decide(metric, i + 1)  # as it stood within that round's measurement
                 a, b = rnd["baseline"][metric], rnd["candidate"][metric]
                 rows.append({"round": rnd["round"], "instance": rnd["instance"], "order": rnd["order"],
                              "metric": metric, "a_value": a, "b_value": b,
@@ -261,18 +295,19 @@ class PairedMeasurement:
         elapsed = 0.0 if self.started is None else self.clock() - self.started
         summary = []
         for metric, (column, direction) in PAIRED_METRICS.items():
-            iv, decision = self._decide(metric)
+            iv, decision, reason = self.decision(metric)
             gated = metric in self.p.gated
-            reason = None
-            if decision == "inconclusive":
-                reason = (f"{len(self.rounds)} round(s): fewer than min_rounds = {self.p.min_rounds}"
-                          if len(self.rounds) < self.p.min_rounds else
-                          f"the interval straddles the bound ±{self.p.bound:.1%} after {len(self.rounds)} rounds; "
+            start, end = self._phase(metric)
+            rounds = self.rounds[start:end]
+            if reason is None and decision == "inconclusive":
+                reason = (f"{len(rounds)} round(s): fewer than min_rounds = {self.p.min_rounds}"
+                          if len(rounds) < self.p.min_rounds else
+                          f"the interval straddles the bound ±{self.p.bound:.1%} after {len(rounds)} rounds; "
                           f"more rounds (paired.max_measure_s) would decide it")
             summary.append({
                 "metric": metric, "column": column, "unit": _UNITS[metric], "direction": direction, "gated": gated,
-                "rounds": len(self.rounds), "baseline_median": _median(r["baseline"][metric] for r in self.rounds),
-                "candidate_median": _median(r["candidate"][metric] for r in self.rounds), "ratio": iv.ratio,
+                "rounds": len(rounds), "baseline_median": _median(r["baseline"][metric] for r in rounds),
+                "candidate_median": _median(r["candidate"][metric] for r in rounds), "ratio": iv.ratio,
                 "ci_low": iv.ci_low, "ci_high": iv.ci_high, "confidence": self.p.confidence, "bound": self.p.bound,
                 "sd_log": iv.sd_log, "decision": decision if gated else "report_only", "paired_decision": decision,
                 "reason": reason, "stopped_because": self.stopped_because, "measure_s": round(elapsed, 3),
@@ -282,30 +317,48 @@ class PairedMeasurement:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
-        """Launch, then measure rounds until :func:`stop_reason` says stop; stop the workers."""
+        """Launch, then measure rounds until :func:`stop_reason` says stop; with ``paired.confirm``,
+        measure again (fresh workers, fresh prompts) what regressed; stop the workers."""
         try:
-            t0 = time.perf_counter()
-            self.start_instances()
-            self.restart_s.append(time.perf_counter() - t0)  # what the first restart is expected to cost
-            self.started = self.clock()
-            while True:
-                r = len(self.rounds)
-                restart = r > 0 and r % self.p.rounds_per_worker == 0
-                reason = stop_reason(self.p, r, decided=r >= self.p.min_rounds and self.decided(),
-                                     elapsed_s=self.clock() - self.started, next_round_s=self._estimate(restart))
-                if reason is not None:
-                    self.stopped_because = reason
-                    break
-                if restart:
-                    t0 = time.perf_counter()
-                    self.start_instances()
-                    self.restart_s.append(time.perf_counter() - t0)
-                self.measure_round()
-                self.publish()
+            self._measure()
+            regressed = [m for m in self.p.gated if self._decide(m)[1] == "regression"]
+            if regressed and self.p.confirm:
+                first_stop = self.stopped_because
+                for metric in regressed:
+                    iv, _ = self._decide(metric)
+                    self.first[metric] = {"ratio": iv.ratio, "ci_low": iv.ci_low, "ci_high": iv.ci_high}
+                self.confirm_from = len(self.rounds)
+                logger.info("paired: %s regressed after %d rounds; re-measuring with fresh workers to confirm",
+                            ", ".join(regressed), self.confirm_from)
+                self._measure()
+                self.stopped_because = f"{first_stop}; re-measured to confirm: {self.stopped_because}"
             logger.info("paired: %s", self.stopped_because)
             self.publish()
         finally:
             self._stop_all()
+
+    def _measure(self) -> None:
+        """One measurement: fresh instances of both workers, rounds until :func:`stop_reason` says
+        stop (counting this measurement's rounds and time only)."""
+        first_round = len(self.rounds)
+        t0 = time.perf_counter()
+        self.start_instances()
+        self.restart_s.append(time.perf_counter() - t0)  # what a restart is expected to cost
+        self.started = self.clock()
+        while True:
+            r = len(self.rounds) - first_round
+            restart = r > 0 and r % self.p.rounds_per_worker == 0
+            reason = stop_reason(self.p, r, decided=r >= self.p.min_rounds and self.decided(),
+                                 elapsed_s=self.clock() - self.started, next_round_s=self._estimate(restart))
+            if reason is not None:
+                self.stopped_because = reason
+                return
+            if restart:
+                t0 = time.perf_counter()
+                self.start_instances()
+                self.restart_s.append(time.perf_counter() - t0)
+            self.measure_round()
+            self.publish()
 
     def _estimate(self, restart: bool) -> float:
         """What the next round is expected to take: the median of the last 4, plus a restart's cost."""

@@ -36,6 +36,10 @@ the gate can be exercised against a real worker process:
     ``SERVEGATE_FAULT_SEED``): verification rejects nearly all of them, so the accept length
     falls towards 1 while the output stays exactly the greedy output (only verified tokens are
     ever emitted). A broken drafter that the output cannot show; only the accept length can.
+``only_first_launch``
+    A path: every other fault is active only in the first worker process started with it, which
+    creates the file at start-up; a later process that finds it runs without faults. A regression
+    that measuring again with fresh workers does not reproduce (the paired stage's confirmation).
 """
 
 from __future__ import annotations
@@ -66,13 +70,14 @@ class FaultConfig:
     cut_stream_after_tokens: int | None = None
     corrupt_logits: bool = False
     random_drafts: bool = False
+    only_first_launch: str | None = None
     seed: int = 0
 
     def active(self) -> dict[str, Any]:
         """The switches that differ from their defaults (for logs and server info)."""
         default = FaultConfig()
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) != getattr(default, f.name) and f.name != "seed"}
+                if getattr(self, f.name) != getattr(default, f.name) and f.name not in ("seed", "only_first_launch")}
 
 
 def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +104,9 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fault-random-drafts", action="store_true", default=None,
                        help="NGRAM drafts replaced by random tokens (seeded): accept length falls towards 1, "
                             "output unchanged")
+    group.add_argument("--fault-only-first-launch", default=None, metavar="PATH",
+                       help="the other faults only in the first worker started with PATH (it creates the file); "
+                            "later ones run without faults")
 
 
 def _env(name: str) -> str | None:
@@ -129,7 +137,7 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
     kinds: dict[str, type] = {
         "decode_delay_ms": float, "decode_slowdown_pct": float, "crash_after_requests": int,
         "flush_busy_s": float, "occupancy": str, "startup_oom": bool, "error_rate": float,
-        "cut_stream_after_tokens": int, "corrupt_logits": bool, "random_drafts": bool,
+        "cut_stream_after_tokens": int, "corrupt_logits": bool, "random_drafts": bool, "only_first_launch": str,
     }
     values: dict[str, Any] = {}
     for name, kind in kinds.items():
@@ -152,4 +160,11 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"fault {name} must be >= 1, got {value}")
+    if cfg.only_first_launch is not None:
+        try:
+            os.close(os.open(cfg.only_first_launch, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return FaultConfig(seed=cfg.seed, only_first_launch=cfg.only_first_launch)  # a later launch: no faults
+        except OSError as exc:
+            raise ConfigError(f"fault only_first_launch: cannot create {cfg.only_first_launch}: {exc}") from exc
     return cfg

@@ -55,6 +55,8 @@ def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path
     itl = paired.loc["itl_median_ms"]
     assert itl["decision"] == "regression" and itl["ci_low"] > 1 + BOUND, shown
     assert itl["stopped_because"].startswith("every gated metric decided"), itl["stopped_because"]
+    # paired.confirm (on in smoke-ab): measured again with fresh workers and prompts before it failed.
+    assert itl["reason"].startswith("confirmed: the first measurement"), itl["reason"]
     assert itl["rounds"] >= 6 and itl["measure_s"] < 300
 
     stages = json.loads((run_dir / "stages.json").read_text())
@@ -119,4 +121,32 @@ def test_a_stage_past_its_deadline_stops_both_workers_and_is_inconclusive(tmp_pa
     assert proc.returncode == 2, f"{verdict}\n{proc.stderr[-3000:]}"
     assert verdict["status"] == "inconclusive"
     assert any("stage_max_s" in e for e in verdict["infra_errors"]), verdict["infra_errors"]
+    assert not worker_processes(tmp_path)
+
+
+def test_a_regression_the_re_measurement_does_not_reproduce_is_unconfirmed_and_passes(tmp_path: Path):
+    # The slowdown is active only in the first candidate process (--fault-only-first-launch): the
+    # first measurement (no restarts) sees +300 %, the confirmation's fresh workers see A/A. The tiny
+    # random model keeps the four launches cheap; a 30 % bound keeps the A/A confirmation quick.
+    marker = tmp_path / "first-launch"
+    proc, verdict = _run(tmp_path, "--set", "worker.model=tiny-random", "--set", "baseline.model=tiny-random",
+                         "--set", f'worker.extra_args=["--fault-decode-slowdown-pct","300","--fault-only-first-launch",'
+                                  f'"{marker}"]',
+                         "--set", "paired.bound=0.3", "--set", "paired.min_rounds=4", "--set", "paired.min_units=4",
+                         "--set", "paired.rounds_per_worker=200", "--set", "paired.max_measure_s=120",
+                         "--set", "host.enabled=false")
+    run_dir = Path(verdict["run_dir"])
+    rounds = pd.read_parquet(run_dir / "paired_rounds.parquet")
+    itl_rounds = rounds[rounds["metric"] == "itl_median_ms"].reset_index(drop=True)
+    assert proc.returncode == 0, f"{verdict}\n{itl_rounds.to_string()}\n{proc.stderr[-3000:]}"
+    assert verdict["status"] == "pass" and "unconfirmed regression of itl_median_ms" in verdict["reason"]
+    itl = pd.read_parquet(run_dir / "paired.parquet").set_index("metric").loc["itl_median_ms"]
+    assert itl["decision"] == "unconfirmed" and itl["reason"].startswith("unconfirmed: the first measurement")
+    assert "excluded a regression of the bound" in itl["reason"] and itl["ci_high"] < 1.3
+    # The first measurement's rounds (instance 0) were a regression; the re-measurement's (instance 1) not.
+    first = itl_rounds[itl_rounds["instance"] == 0]
+    assert first["decision"].iloc[-1] == "regression" and (first["b_value"] > first["a_value"]).all()
+    assert set(itl_rounds["instance"]) == {0, 1} and marker.is_file()
+    workers = pd.read_parquet(run_dir / "paired_workers.parquet")
+    assert len(workers) == 4  # two instances of each side
     assert not worker_processes(tmp_path)

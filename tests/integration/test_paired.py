@@ -50,20 +50,27 @@ def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_pa
     assert itl["decision"] == "regression", m.tables["paired_rounds"].to_string()
     assert itl["ci_low"] > 1.10 and itl["ratio"] > 1.5  # the candidate's ITL is several times the baseline's
     assert itl["rounds"] >= 4 and itl["stopped_because"].startswith("every gated metric decided")
+    # paired.confirm: the regression was measured again with fresh workers and fresh prompts, and held.
+    first = m.confirm_from
+    assert first is not None and first >= 4 and itl["reason"].startswith("confirmed: the first measurement (rounds 1-")
+    assert "re-measured to confirm: every gated metric decided" in itl["stopped_because"]
     assert paired.loc["output_throughput", "decision"] == "report_only"  # not gated in smoke-ab
     assert paired.loc["output_throughput", "paired_decision"] in ("regression", "inconclusive")
 
     rounds = m.tables["paired_rounds"]
     assert list(rounds.columns) == PAIRED_ROUND_COLUMNS
     itl_rounds = rounds[rounds["metric"] == "itl_median_ms"].reset_index(drop=True)
-    assert list(itl_rounds["round"]) == list(range(1, int(itl["rounds"]) + 1))
+    assert list(itl_rounds["round"]) == list(range(1, first + int(itl["rounds"]) + 1))  # both measurements
     assert list(itl_rounds["order"][:4]) == ["AB", "BA", "AB", "BA"]  # ABBA across rounds
     assert (itl_rounds["b_value"] > itl_rounds["a_value"]).all()
-    # Restarted every 2 rounds: instance 0 for rounds 1-2, 1 for 3-4, ...
-    assert list(itl_rounds["instance"]) == [i // 2 for i in range(len(itl_rounds))]
-    # The interval as it stood after each round: none before min_rounds is a decision.
-    assert set(itl_rounds["decision"][:3]) == {"inconclusive"}
-    assert itl_rounds["decision"].iloc[-1] == "regression"
+    # Restarted every 2 rounds: instance 0 for rounds 1-2, 1 for 3-4, ...; the re-measurement starts
+    # with fresh instances.
+    again = (first + 1) // 2
+    assert list(itl_rounds["instance"]) == ([i // 2 for i in range(first)]
+                                            + [again + i // 2 for i in range(len(itl_rounds) - first)])
+    # The interval as it stood after each round, within its measurement: none before min_rounds.
+    assert set(itl_rounds["decision"][:3]) == {"inconclusive"} == set(itl_rounds["decision"][first:first + 3])
+    assert itl_rounds["decision"].iloc[first - 1] == "regression" == itl_rounds["decision"].iloc[-1]
 
     workers = m.tables["paired_workers"]
     assert list(workers.columns) == PAIRED_WORKER_COLUMNS
