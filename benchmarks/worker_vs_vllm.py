@@ -68,8 +68,8 @@ def _specs(baseline_src: Path | None) -> dict[str, WorkerSpec]:
     specs = {"worker": worker, "vllm": vllm}
     if baseline_src is not None:
         if not (baseline_src / "servegate" / "worker").is_dir():
-            raise BenchmarkError(f"--baseline-src {baseline_src} holds no servegate/worker; give the root of a source tree "
-                             f"(e.g. `git archive <commit> | tar -x -C {baseline_src}`)")
+            raise BenchmarkError(f"--baseline-src {baseline_src} holds no servegate/worker; give the root of a "
+                                 f"source tree (e.g. `git archive <commit> | tar -x -C {baseline_src}`)")
         specs["baseline"] = worker.model_copy(update={"env": {**worker.env, "PYTHONPATH": str(baseline_src.resolve())}})
     return specs
 
