@@ -146,11 +146,19 @@ def build_app(state: WorkerState) -> FastAPI:
             params = [SamplingParams.from_dict(raw_params)] * len(prompts)
         top_n = int(body.get("top_logprobs_num") or 0)
         start = body.get("logprob_start_len")
+        # As SGLang: one start for every prompt, or (a batch) one per prompt, so that one request
+        # can score prompts whose scored parts begin at different positions (several items' endings).
+        if isinstance(start, list):
+            if len(start) != len(prompts) or not all(isinstance(s, int) and not isinstance(s, bool) for s in start):
+                raise ConfigError(f"logprob_start_len is a list of {len(start)} for {len(prompts)} prompts; give "
+                                  f"one integer, or one integer per prompt")
+            starts = list(start)
+        else:
+            starts = [-1 if start is None else int(start)] * len(prompts)
         return_logprob = bool(body.get("return_logprob", False))
-        reqs = [Request(list(p), sp, return_logprob=return_logprob,
-                        logprob_start_len=-1 if start is None else int(start),
+        reqs = [Request(list(p), sp, return_logprob=return_logprob, logprob_start_len=st,
                         top_logprobs_num=top_n if return_logprob else 0)
-                for p, sp in zip(prompts, params)]
+                for p, sp, st in zip(prompts, params, starts)]
         rid = body.get("rid")
         if isinstance(rid, str) and len(reqs) == 1:
             reqs[0].rid = rid

@@ -139,6 +139,21 @@ def test_return_logprob_sglang_shape(url: str) -> None:
         url, {"text": PROMPT, "sampling_params": GREEDY}).json()["output_ids"]
 
 
+def test_logprob_start_len_per_prompt(url: str) -> None:
+    # As SGLang: a batch may give one start per prompt (the quality stage scores several items'
+    # endings in one request); each prompt's scored part equals that of a request of its own.
+    a, b = [504, 3575, 282, 4649, 314], [12, 99, 7, 300]
+    params = {"max_new_tokens": 0, "temperature": 0}
+    batched = generate(url, {"input_ids": [a, b], "sampling_params": params, "return_logprob": True,
+                             "logprob_start_len": [2, 0]}).json()
+    for doc, ids, start in zip(batched, (a, b), (2, 0)):
+        alone = generate(url, {"input_ids": ids, "sampling_params": params, "return_logprob": True,
+                               "logprob_start_len": start}).json()
+        got, want = doc["meta_info"]["input_token_logprobs"], alone["meta_info"]["input_token_logprobs"]
+        assert [t[1] for t in got] == ids[start:] == [t[1] for t in want]
+        assert [t[0] for t in got[1:]] == pytest.approx([t[0] for t in want[1:]], abs=1e-4)
+
+
 def test_prefix_cache_and_flush(url: str) -> None:
     assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
     prompt = "A long shared system prompt about the history of the Roman empire and its provinces"
@@ -238,6 +253,7 @@ def test_openai_models(url: str) -> None:
     ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [10 ** 9]}, "vocabulary"),
+    ({"input_ids": [[1, 2], [3, 4]], "return_logprob": True, "logprob_start_len": [0]}, "one integer per prompt"),
 ])
 def test_bad_requests_answer_400(url: str, body: dict, fragment: str) -> None:
     resp = generate(url, body)
