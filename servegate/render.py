@@ -151,6 +151,9 @@ def paired_text(row: Mapping[str, Any], *, why: bool = True) -> str:
     because = row.get("stopped_because")
     if why and isinstance(because, str) and because:
         text += f" ({because.removesuffix(f' after {rounds_text}')})"
+    reason = row.get("reason")
+    if why and isinstance(reason, str) and reason.startswith(("confirmed:", "unconfirmed:")):
+        text += f"; {reason}"  # paired.confirm: both measurements
     return text
 
 
