@@ -101,7 +101,10 @@ __all__ = [
     "PAIRED_TABLES",
 ]
 
-COMPARED_TABLES: tuple[str, ...] = tuple(dict.fromkeys(m.table for m in GATED_METRICS))
+CALIBRATED_METRICS: tuple[GatedMetric, ...] = tuple(m for m in GATED_METRICS if not m.report_only)
+"""The metrics a calibration measures: report-only ones (start-up, memory, cost) never gate, so
+their false-alarm and detection rates would describe nothing the verdict does."""
+COMPARED_TABLES: tuple[str, ...] = tuple(dict.fromkeys(m.table for m in CALIBRATED_METRICS))
 """The tables the baseline comparison reads: all a calibration run needs to keep."""
 COMPARED_STAGES: tuple[str, ...] = tuple(s for s in MEASUREMENT_STAGES if s in {TABLE_STAGE[t] for t in COMPARED_TABLES})
 """Stages whose wall time counts as measurement: those producing compared tables (launch,
@@ -263,7 +266,7 @@ def _min_detectable(rows: pd.DataFrame, bound: float) -> float:
 
 
 def analyse(runs: Sequence[CalibrationRun], plan: CalibrationPlan, *,
-            metrics: Sequence[GatedMetric] = GATED_METRICS, tail_bound: float = DEFAULT_TAIL_BOUND,
+            metrics: Sequence[GatedMetric] = CALIBRATED_METRICS, tail_bound: float = DEFAULT_TAIL_BOUND,
             seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
     """``(figures, comparisons, run_noise)`` from the runs' tables (see the module docstring).
 
