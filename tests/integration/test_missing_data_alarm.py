@@ -34,13 +34,14 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
-import requests
 import yaml
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Completed, Crashed, Running
+
+from test_prefect_multiworker import _start, _wait_healthy
 
 from servegate import cli
 from servegate.automations import NAME_PREFIX
@@ -93,21 +94,10 @@ def prefect_api(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"}  # runs here are created by the test
     (tmp_path / "prefect-home").mkdir()
     log = tmp_path / "server.log"
-    with open(log, "w") as fh:
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(port)], env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                    env, log)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, f"prefect server exited {server.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, f"prefect server not healthy in 120 s:\n{log.read_text()[-3000:]}"
-            time.sleep(0.3)
+        _wait_healthy(url, server, log, timeout_s=120)
         yield url, env
     finally:
         terminate_tree(server.pid, timeout_s=15)
