@@ -451,6 +451,10 @@ class CompareConfig(_Model):
     days: Days | None = Field(None, description="window: how many days back")
     bound: float = Field(0.05, gt=0, lt=1, description="minimum effect size on medians (0.05 = 5 %)")
     tail_bound: float = Field(0.10, gt=0, lt=1, description="minimum effect size on p99 tails")
+    consecutive: int = Field(1, ge=1, le=10, description=(
+        "history rule (as PyTorch HUD's policies): a gated metric is a regression only when this run and the "
+        "consecutive-1 runs of the gate key before it all showed it regressed; fewer -> 'suspicious' "
+        "(shown, and the gate is undecided, exit 2: never a pass). 1 = every regression counts at once"))
 
 
 class StoreConfig(_Model):
@@ -557,6 +561,10 @@ class PairedConfig(_Model):
     confirm: bool = Field(True, description=(
         "re-measure a gated metric found regressed, with fresh workers and fresh prompts, before it fails the "
         "gate: reproduced -> regression; excluded -> 'unconfirmed' (shown, not a failure); neither -> inconclusive"))
+    profile: bool = Field(True, description=(
+        "after a confirmed regression, record one profiler trace of each side on the same block of requests "
+        "through the engine's own profiler endpoints, keep both traces in the run folder and show the operators "
+        "whose time changed most (needs paired.confirm; engines without a profiler: not applicable)"))
     client_cpus: list[int] | None = Field(None, description="pin the load generator's thread(s) to these CPUs")
     seed: int = Field(1, description="seed of the prompts (round r uses seed + r) and of a random order")
     request_timeout_s: Seconds = Field(300.0, description="HTTP timeout per request")
