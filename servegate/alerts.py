@@ -5,10 +5,11 @@ through Prefect notification blocks (no home-made mailer).
   (:func:`servegate.flows.nightly.aggregate`): the matrix verdict and reason; per gate that failed
   or could not decide, its reason, its top regressed metrics (up to three: metric, ratio and
   interval, read from the gate's ``comparison`` and ``paired`` tables with
-  :meth:`servegate.results.RunFolder.read_table`), its threshold breaches (``verdict.json``), why
-  it could not decide, the baseline runs and the build range (baseline build -> candidate build,
-  from the run manifests), and links to the report and the dashboard; improvements in a section
-  of their own. Reads files, sends nothing.
+  :meth:`servegate.results.RunFolder.read_table`), its suspicious metrics (beyond the bound, not yet
+  in ``compare.consecutive`` runs in a row: each with its ratio and the history rule's reason), its
+  threshold breaches (``verdict.json``), why it could not decide, the baseline runs and the build
+  range (baseline build -> candidate build, from the run manifests), and links to the report and
+  the dashboard; improvements in a section of their own. Reads files, sends nothing.
 - :func:`should_alert` — whether a matrix result is worth a message (failed or inconclusive; a
   pass only when asked for).
 - :func:`load_notifier` — a saved Prefect notification block by its slug,
@@ -88,7 +89,7 @@ def _badness(row: Mapping[str, Any]) -> float:
 
 def _change_rows(tables: Mapping[str, pd.DataFrame], decision: str) -> list[dict[str, Any]]:
     """Comparison rows (against the history baseline) and gated paired rows (against the baseline
-    worker) with ``decision``, worst (regressions) or best (improvements) first."""
+    worker) with ``decision``, worst (regressions, suspicious) or best (improvements) first."""
     rows: list[dict[str, Any]] = []
     comparison = tables.get("comparison")
     if comparison is not None and "decision" in comparison:
@@ -102,7 +103,7 @@ def _change_rows(tables: Mapping[str, pd.DataFrame], decision: str) -> list[dict
         for row in gated_paired_rows(tables["paired"].to_dict("records")):
             if row.get("decision") == decision:
                 rows.append({**row, "against": "baseline worker (paired)"})
-    return sorted(rows, key=_badness, reverse=decision == "regression")
+    return sorted(rows, key=_badness, reverse=decision in ("regression", "suspicious"))
 
 
 def _tables(folder: RunFolder) -> dict[str, pd.DataFrame]:
@@ -172,6 +173,7 @@ def _gate_section(gate: Mapping[str, Any], links: AlertLinks, store: Store | Non
         verdict = folder.read_json("verdict") if (run_dir / "verdict.json").is_file() else {}
         tables = _tables(folder)
         regressions = _change_rows(tables, "regression")
+        suspicious = _change_rows(tables, "suspicious")
         improvements = _change_rows(tables, "improvement")
         policy, baseline_ids = _baseline_runs(tables.get("comparison"))
     except (ServegateError, OSError, ValueError) as exc:
@@ -181,6 +183,10 @@ def _gate_section(gate: Mapping[str, Any], links: AlertLinks, store: Store | Non
     if regressions:
         lines.append(f"\nTop regressed metrics ({min(len(regressions), TOP_REGRESSIONS)} of {len(regressions)}):")
         lines += [f"- {_change_line(r)}" for r in regressions[:TOP_REGRESSIONS]]
+    if suspicious:
+        lines.append(f"\nSuspicious metrics, not yet called a regression ({min(len(suspicious), TOP_REGRESSIONS)} of "
+                     f"{len(suspicious)}):")
+        lines += [f"- {_change_line(r)}: {markdown_text(r.get('reason') or '')}" for r in suspicious[:TOP_REGRESSIONS]]
     # Threshold breaches; a comparison breach is the regressions above.
     breaches = [b for b in verdict.get("breaches") or [] if b.get("table") != "comparison"]
     if breaches:

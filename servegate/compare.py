@@ -36,7 +36,37 @@ report_only        shown, not gated: a tail whose interval is unbounded at this 
                    size, a one-batch case measured fewer than ``min_samples`` times, or a
                    metric declared ``report_only`` (start-up time, memory high-water mark,
                    cost per million output tokens: the reason says what its interval says)
+suspicious         a regression by the interval, not yet called one by the history rule
+                   (``compare.consecutive`` > 1, below): the gate is undecided, never a pass
 ================== ====================================================================
+
+**The history rule** (``compare.consecutive`` = N, :func:`compare_run`; as PyTorch HUD's
+regression policies): with no baseline build to re-measure, one night beyond the bound may be
+a noisy machine, so a gated ``regression`` row stands only when the N-1 most recent earlier runs
+of the gate key that compared the same metric and case decided it ``regression`` or
+``suspicious`` too; its reason names them ("3 consecutive runs: this run, <ids>"). Otherwise the
+row becomes ``suspicious``, its reason says how many of the last runs regressed and how many more
+are needed. How the earlier runs are chosen:
+
+- one per run group, its effective (latest) attempt, ordered by the group's original start: a
+  re-run of a night is the same night measured again, not another night. The judged run's own
+  group is left out (``exclude_run``), and a recorded run judged again sees only runs that
+  started before it;
+- only runs whose recorded ``comparison`` table has a row for the metric and case: a run that did
+  not compare (compare disabled, a stage that failed before it) says nothing either way, so it is
+  skipped, not counted;
+- only runs after the key's last ``servegate baseline distribution-change``: an intentional shift
+  starts every streak over;
+- any other decision of that row breaks the streak: ``no_change``/``improvement`` (the change was
+  excluded there), ``inconclusive`` (not shown there: counting it would let regressions nights
+  apart, with undecided nights between, pass for consecutive ones), ``insufficient_data`` and
+  ``report_only`` (nothing was decided there). Fewer than N-1 such runs also leave it
+  ``suspicious``. The row's decision is what counts, whatever else that run's verdict said.
+
+``suspicious`` rows fail the comparison suite's check with ``failure_means: suspicious``
+(:mod:`servegate.verdict`): the verdict is inconclusive (exit 2), its reason says "suspicious",
+and the run is not ``baseline_eligible``, so the baseline does not drift toward the regression
+while the next runs decide.
 
 The result is a DataFrame (the ``comparison`` table) that Great Expectations validates like
 every other table, e.g. ``decision`` not in ``["regression"]`` and, on rows where ``gated``,
@@ -49,25 +79,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from servegate.baseline import Baseline, BaselinePolicy, resolve_baseline
+from servegate.baseline import Baseline, BaselinePolicy, last_distribution_change, resolve_baseline
 from servegate.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, Samples, between_run_sd, ratio_ci_median,
                                  ratio_ci_quantile, ratio_ci_quantile_clustered)
 from servegate.errors import ConfigError
 from servegate.hostcheck import environment_differences
 from servegate.gated_metrics import (GATED_METRICS, Direction, GatedMetric, extract_requests, extract_samples,
                                      resolution_log)
-from servegate.history import GateKey, Store
+from servegate.history import GateKey, RunRecord, Store
 from servegate.tables import COMPARISON_COLUMNS
 
 __all__ = [
     "DECISIONS",
     "DEFAULT_BOUND",
     "DEFAULT_TAIL_BOUND",
+    "STREAK_DECISIONS",
+    "apply_history_rule",
     "estimate_run_noise",
     "calibration_figures",
     "calibration_summary",
@@ -81,7 +114,10 @@ DEFAULT_BOUND = 0.05
 within the noise PyTorch's and vLLM's dashboards tolerate, and below what a nightly can act on."""
 DEFAULT_TAIL_BOUND = 0.10
 """Tails move more between runs than medians; vLLM reviewers dropped p99 gating for this."""
-DECISIONS = ("regression", "improvement", "no_change", "inconclusive", "insufficient_data", "report_only")
+DECISIONS = ("regression", "improvement", "no_change", "inconclusive", "insufficient_data", "report_only",
+             "suspicious")
+STREAK_DECISIONS = ("regression", "suspicious")
+"""An earlier run's decisions that continue a streak of the history rule (module docstring)."""
 
 
 def decide_change(ci_low: float, ci_high: float, direction: Direction, bound: float) -> str:
@@ -246,7 +282,7 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
                 bound: float = DEFAULT_BOUND, tail_bound: float = DEFAULT_TAIL_BOUND,
                 confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
                 exclude_run: str | None = None, calibration: Mapping[str, Any] | None = None,
-                environment: Mapping[str, Any] | Any | None = None) -> pd.DataFrame:
+                environment: Mapping[str, Any] | Any | None = None, consecutive: int = 1) -> pd.DataFrame:
     """Compare a run with its key's baseline (chosen by ``policy``) and return the comparison table.
 
     ``run``: a recorded run id (its tables are read from the store, its key and run group
@@ -258,12 +294,17 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
     ``attrs["environment"]``: one line per thing that moves the figures and differs between the run's
     environment record (``environment``, a recorded run's own by default) and the baseline runs'
     (:func:`servegate.hostcheck.environment_differences`): said, never a failure.
+    ``consecutive`` (``compare.consecutive``): the history rule of the module docstring, applied by
+    :func:`apply_history_rule` to the finished table; 1 leaves every decision as the interval made it.
     """
+    _check_consecutive(consecutive)
+    started_before = None
     if isinstance(run, str):
         record = store.get_run(run)
         if key is not None and key != record.key:
             raise ConfigError(f"run {run} belongs to gate {record.key}, not {key}")
         key, current, exclude_run = record.key, store.tables(run), run
+        started_before = record.started_at
         if environment is None:
             environment = record.manifest.get("environment")
     else:
@@ -290,7 +331,88 @@ def compare_run(store: Store, run: str | Mapping[str, pd.DataFrame], key: GateKe
     df.attrs["environment"] = environment_differences(
         environment, [(r.run_id, r.manifest.get("environment")) for r in baseline.runs] if baseline_tables else [])
     df.attrs["calibration"] = calibration_summary(calibration, bound, tail_bound)
+    apply_history_rule(df, store, key, consecutive, exclude_run=exclude_run, started_before=started_before)
     return df
+
+
+def _check_consecutive(consecutive: int) -> None:
+    if isinstance(consecutive, bool) or not isinstance(consecutive, int) or not 1 <= consecutive <= 10:
+        raise ConfigError(f"consecutive must be an integer from 1 to 10 (compare.consecutive), got {consecutive!r}")
+
+
+def _earlier_runs(store: Store, key: GateKey, exclude_run: str | None,
+                  started_before: datetime | None) -> list[RunRecord]:
+    """The history rule's candidates, newest first: one record per run group (its latest attempt),
+    the judged run's group left out, after the key's last distribution change."""
+    excluded: set[str] = set()
+    if exclude_run is not None:
+        try:
+            excluded = {r.root_id for r in store.attempts(exclude_run)}
+        except ConfigError:
+            excluded = {exclude_run}  # not recorded yet: only its own id to leave out
+    change = last_distribution_change(store, key)
+    return [r for r in store.runs(key, include_attempts=False)
+            if r.root_id not in excluded and r.run_id not in excluded
+            and (started_before is None or r.started_at < started_before)
+            and (change is None or r.started_at > change["at"])]
+
+
+def apply_history_rule(df: pd.DataFrame, store: Store, key: GateKey, consecutive: int, *,
+                       exclude_run: str | None = None, started_before: datetime | None = None) -> None:
+    """The history rule (module docstring) on the comparison table ``df``, in place: each gated
+    ``regression`` row stays one when the ``consecutive`` - 1 earlier runs of ``key`` that compared
+    its metric and case all decided it ``regression`` or ``suspicious``, else it becomes ``suspicious``.
+    Reads the earlier runs' recorded ``comparison`` tables, only when a row needs them."""
+    _check_consecutive(consecutive)
+    flagged = [i for i in df.index if df.at[i, "decision"] == "regression" and bool(df.at[i, "gated"])]
+    if consecutive == 1 or not flagged:
+        return
+    needed = consecutive - 1
+    earlier = _earlier_runs(store, key, exclude_run, started_before)
+    comparisons: dict[str, pd.DataFrame | None] = {}
+
+    def decisions_of(metric: str, case: str) -> list[tuple[str, str]]:
+        """(run id, decision) of the ``needed`` most recent earlier runs with a row for metric+case."""
+        found: list[tuple[str, str]] = []
+        for rec in earlier:
+            if rec.run_id not in comparisons:
+                comparisons[rec.run_id] = store.tables(rec.run_id, {"comparison"}).get("comparison")
+            table = comparisons[rec.run_id]
+            if table is None or table.empty:
+                continue
+            same = table[(table["metric"] == metric) & (table["case"].fillna("") == case)]
+            if same.empty:
+                continue
+            found.append((rec.run_id, str(same["decision"].iloc[0])))
+            if len(found) == needed:
+                break
+        return found
+
+    for i in flagged:
+        metric, case = str(df.at[i, "metric"]), df.at[i, "case"]
+        found = decisions_of(metric, case if isinstance(case, str) else "")
+        streak = 1
+        for _, decision in found:
+            if decision not in STREAK_DECISIONS:
+                break
+            streak += 1
+        said = df.at[i, "reason"]
+        said = f"; {said}" if isinstance(said, str) and said else ""
+        if streak == consecutive:
+            df.at[i, "reason"] = f"{consecutive} consecutive runs: this run, {', '.join(r for r, _ in found)}{said}"
+            continue
+        regressed = 1 + sum(d in STREAK_DECISIONS for _, d in found)
+        if streak - 1 < len(found):
+            run_id, decision = found[streak - 1]
+            why = f"the streak breaks at run {run_id} ({decision})"
+        else:
+            why = f"only {len(found)} earlier run(s) of the gate key compared it"
+        left = consecutive - streak
+        df.at[i, "decision"] = "suspicious"
+        df.at[i, "reason"] = (f"regression in {regressed} of the last {len(found) + 1} run(s) (compare.consecutive = "
+                              f"{consecutive}; {why}): not yet called; "
+                              + ("the next run decides" if left == 1 else f"{left} more runs in a row decide")
+                              + said)
 
 
 def estimate_run_noise(runs: Sequence[Mapping[str, pd.DataFrame]], metrics: Sequence[GatedMetric] = GATED_METRICS,

@@ -194,7 +194,8 @@ def metric_rows(outcomes: Iterable[Mapping[str, Any]], comparison: Iterable[Mapp
     value it saw (one-row tables; a many-row table says how many rows it checked and how many fell
     outside). From the ``comparison`` table (records): every gated metric with its current and
     baseline medians, its ratio and interval against the bound, and the decision. Marks: ``ok``,
-    ``FAIL`` (breached), ``n/a`` (the engine cannot provide it), ``--`` (not evaluated), ``UNDECIDED``
+    ``FAIL`` (breached), ``n/a`` (the engine cannot provide it), ``--`` (not evaluated), ``SUSPECT``
+    (beyond the bound in this run, not yet in ``compare.consecutive`` runs in a row), ``UNDECIDED``
     (a gated comparison whose interval neither excludes nor shows a regression).
     """
     rows: list[list[str]] = []
@@ -224,7 +225,8 @@ def metric_rows(outcomes: Iterable[Mapping[str, Any]], comparison: Iterable[Mapp
         if c.get("gated") != True:  # noqa: E712 - numpy's True_ is not True
             continue
         decision = str(c.get("decision") or "")
-        mark = {"regression": "FAIL", "no_change": "ok", "improvement": "ok"}.get(decision, "UNDECIDED")
+        mark = {"regression": "FAIL", "suspicious": "SUSPECT", "no_change": "ok", "improvement": "ok"}.get(
+            decision, "UNDECIDED")
         name = str(c.get("metric"))
         case = c.get("case")
         if isinstance(case, str) and case:
@@ -241,8 +243,9 @@ def metric_rows(outcomes: Iterable[Mapping[str, Any]], comparison: Iterable[Mapp
     return rows
 
 
-UNDECIDED_HEADING = "Undecided (not a regression, none excluded; more measurement decides)"
-"""The heading every output gives the verdict's ``undecided`` entries."""
+UNDECIDED_HEADING = "Undecided (not a regression, none excluded; more measurement or the next runs decide)"
+"""The heading every output gives the verdict's ``undecided`` entries (``undecided: ...``, and
+``suspicious: ...`` for the history rule's not-yet-called regressions)."""
 
 
 def format_verdict_table(verdict: Verdict, paired: Sequence[Mapping[str, Any]] = (),

@@ -19,6 +19,10 @@ never only the first):
    excluded (the non-inferiority rule of :mod:`servegate.compare`), so it can neither pass
    nor fail the gate; more measurement decides it. It is listed with the infra errors, never
    as a breach, and it does not hide a regression shown by another check (rule 2 first).
+   Likewise ``failure_means`` ``suspicious``: a gated comparison beyond the bound in this run but
+   not in the ``compare.consecutive`` runs in a row the history rule asks for (decision
+   ``suspicious``, :mod:`servegate.compare`): not yet called a regression, never a pass; the next
+   runs decide. Its entries and the reason begin with "suspicious:".
 4. otherwise **inconclusive** when a table with a suite was not produced and its stage was
    not deliberately left out (stage status ``skipped`` or ``not_applicable``), or when no
    expectation was evaluated at all: a gate never passes on nothing.
@@ -26,8 +30,9 @@ never only the first):
 
 A run may serve as a baseline (``baseline_eligible``) when it passed, or when it is
 inconclusive only because gated comparisons lacked history (so that a new gate key can build
-its history) — never when a gated metric was undecided: a run whose change could not be
-excluded must not become the reference for the next.
+its history) — never when a gated metric was undecided or suspicious: a run whose change could
+not be excluded must not become the reference for the next (a suspicious run in the baseline
+would drag it toward the regression the next runs are deciding).
 
 Exit codes (:class:`ExitCode`, the only definition; every command returns one): pass 0,
 fail 1, inconclusive 2 — and 2 for anything else that kept a command from deciding (bad
@@ -120,8 +125,10 @@ class Verdict(_Record):
     infra_errors: list[str] = Field(default_factory=list, description=(
         "everything that kept the gate from deciding, gated metrics left undecided included"))
     undecided: list[str] = Field(default_factory=list, description=(
-        "gated metrics neither shown to regress nor shown unchanged (their interval straddles the bound): not "
-        "a regression and not infrastructure, but they keep the gate from passing; more measurement decides"))
+        "gated metrics neither shown to regress nor shown unchanged (their interval straddles the bound; "
+        "'undecided: ...'), or beyond the bound in fewer consecutive runs than compare.consecutive asks for "
+        "('suspicious: ...'): not a regression and not infrastructure, but they keep the gate from passing; "
+        "more measurement or the next runs decide"))
     not_validated: list[str] = Field(default_factory=list, description="tables with a suite that were not produced")
     not_applicable: list[str] = Field(default_factory=list, description=(
         "tables of not_validated whose stage was skipped or not applicable, and table.column checks the engine "
@@ -194,8 +201,15 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
                         f"({observed_text(o.observed)}); not a regression, and a regression of the bound is not "
                         f"excluded either: more measurement ({_MORE.get(o.table, _MORE['comparison'])}) decides it; "
                         f"{o.meta.get('source', '')}" for o in undecided]
+    # ``"failure_means": "suspicious"`` (the history rule of compare.consecutive): beyond the bound in
+    # this run, not yet in enough runs in a row. Kept from passing like an undecided metric (rule 3).
+    suspicious = [o for o in outcomes if o.success is False and o.meta.get("failure_means") == "suspicious"]
+    suspicious_errors = [f"suspicious: {o.table}.{o.column or ''} {o.expectation_type} failed "
+                         f"({observed_text(o.observed)}); beyond the bound in this run, not yet in compare.consecutive "
+                         f"runs in a row: not called a regression, not a pass; the next runs decide (each row's "
+                         f"reason says how many); {o.meta.get('source', '')}" for o in suspicious]
     breaches = [_breach(o) for o in outcomes
-                if o.success is False and o not in insufficient and o not in undecided]
+                if o.success is False and o not in insufficient and o not in undecided and o not in suspicious]
     only_history_missing = (bool(insufficient) and len(errors) == len(insufficient)
                             and all(o.meta.get("failure_means") == "insufficient_data" for o in insufficient))
     passed = sum(1 for o in outcomes if o.success is True)
@@ -221,6 +235,12 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
     elif breaches:
         status = "fail"
         reason = f"{len(breaches)} expectation(s) breached"
+    elif suspicious:
+        status = "inconclusive"
+        reason = (f"suspicious: gated metric(s) beyond the bound in this run but not yet in compare.consecutive runs "
+                  f"in a row ({'; '.join(f'{o.table}: {observed_text(o.observed)}' for o in suspicious)}): not yet "
+                  f"called a regression, not a pass; the next runs decide"
+                  + (f"; {len(undecided)} check(s) undecided as well" if undecided else ""))
     elif undecided:
         status = "inconclusive"
         reason = (f"gated metric(s) undecided ({'; '.join(f'{o.table}: {observed_text(o.observed)}' for o in undecided)}): "
@@ -236,9 +256,10 @@ def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],
         reason = f"all {passed} evaluated expectation(s) met"
         if exempt or inapplicable:
             reason += f" ({[*exempt, *inapplicable]} skipped or not applicable)"
-    eligible = status == "pass" or (only_history_missing and not undecided and not unevaluated and not breaches
-                                    and not required_missing)
-    return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=errors, undecided=undecided_errors,
+    eligible = status == "pass" or (only_history_missing and not undecided and not suspicious and not unevaluated
+                                    and not breaches and not required_missing)
+    return Verdict(status=status, reason=reason, breaches=breaches, infra_errors=errors,
+                   undecided=[*suspicious_errors, *undecided_errors],
                    not_validated=missing_tables, not_applicable=[*exempt, *inapplicable], summary=summary,
                    baseline_eligible=eligible)
 

@@ -16,7 +16,8 @@ STAGE = "compare"
 
 @task(name="compare", cache_policy=NO_CACHE)
 def compare(run: GateRun, measured: list[StageResult]) -> StageResult | State:
-    """The ``comparison`` table; the key's calibration summary rides in ``notes["calibration"]``."""
+    """The ``comparison`` table, the history rule (``compare.consecutive``) applied; the key's calibration
+    summary rides in ``notes["calibration"]``."""
     cfg = run.config.compare
     if not cfg.enabled:
         return run.skipped(STAGE, "skipped", "disabled in config (compare.enabled = false)")
@@ -30,7 +31,8 @@ def compare(run: GateRun, measured: list[StageResult]) -> StageResult | State:
         key = GateKey.from_run(run.folder.manifest.model_dump(mode="json"), run.config_snapshot())
         with Store(run.config.store.url) as store:
             table = compare_run(store, tables, key, policy=policy, bound=cfg.bound, tail_bound=cfg.tail_bound,
-                                exclude_run=run.attempt_of, environment=run.folder.manifest.environment)
+                                exclude_run=run.attempt_of, environment=run.folder.manifest.environment,
+                                consecutive=cfg.consecutive)
         result.notes["calibration"] = table.attrs.pop("calibration", None)
         result.remarks.extend(table.attrs.get("environment") or [])
         result.tables["comparison"] = table

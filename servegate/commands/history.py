@@ -83,7 +83,8 @@ def _store(args: argparse.Namespace) -> Any:
 
 # ---- status -------------------------------------------------------------------------------
 def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> list[dict[str, Any]]:
-    """One dict per gate key: latest verdict, when, baseline, failing metrics, gated paired
+    """One dict per gate key: latest verdict, when, baseline, failing metrics, suspicious metrics (the
+    history rule of ``compare.consecutive``: ratio, interval and its reason), gated paired
     metrics (ratio candidate / baseline, interval, decision, rounds), breaches, attempts, and the
     latest change point of a gated metric after the key's baseline (``change_point``, or None;
     :func:`servegate.dashboard.series.latest_change_point`)."""
@@ -97,15 +98,17 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
             continue
         tables = store.tables(rec.run_id, ["comparison", "paired"])
         comparison = tables.get("comparison")
-        failing, baseline = [], None
+        failing, suspicious, baseline = [], [], None
         if comparison is not None and not comparison.empty:
             first = comparison.iloc[0]
             runs = [x for x in str(first["baseline_runs"] or "").split(",") if x and x != "nan"]
             baseline = {"policy": first["baseline_policy"], "run_ids": runs}
-            for r in comparison[comparison["decision"] == "regression"].itertuples(index=False):
-                failing.append({"metric": r.metric, "case": r.case or None, "ratio": r.ratio,
-                                "ci_low": r.ci_low, "ci_high": r.ci_high, "bound": r.bound,
-                                "min_detectable": _finite_or_none(getattr(r, "min_detectable", None))})
+            for decision, shown in (("regression", failing), ("suspicious", suspicious)):
+                for r in comparison[comparison["decision"] == decision].itertuples(index=False):
+                    shown.append({"metric": r.metric, "case": r.case or None, "ratio": r.ratio,
+                                  "ci_low": r.ci_low, "ci_high": r.ci_high, "bound": r.bound,
+                                  "min_detectable": _finite_or_none(getattr(r, "min_detectable", None)),
+                                  "reason": r.reason if isinstance(r.reason, str) else None})
         paired = [{"metric": p["metric"], "ratio": _finite_or_none(p["ratio"]),
                    "ci_low": _finite_or_none(p["ci_low"]), "ci_high": _finite_or_none(p["ci_high"]),
                    "bound": _finite_or_none(p["bound"]), "decision": p["decision"], "rounds": int(p["rounds"]),
@@ -122,7 +125,8 @@ def status_rows(store: Any, patterns: Sequence[str] = (), since: Any = None) -> 
         rows.append({"key": str(key), "status": rec.status, "run_id": rec.run_id,
                      "started_at": rec.started_at.isoformat(), "recorded_at": rec.recorded_at.isoformat(),
                      "attempts": len(attempts), "attempt_statuses": [a.status for a in attempts],
-                     "baseline": baseline, "failing": failing, "paired": paired, "breaches": breaches,
+                     "baseline": baseline, "failing": failing, "suspicious": suspicious, "paired": paired,
+                     "breaches": breaches,
                      "infra_errors": rec.verdict.get("infra_errors") or [],
                      "undecided": rec.verdict.get("undecided") or [], "report": report,
                      "calibration": rec.verdict.get("calibration"),
@@ -184,11 +188,15 @@ def format_status(rows: Sequence[dict[str, Any]]) -> str:
             base = "no baseline comparison"
         lines.append(f"{r['key']:<{width}}  {r['status'].upper():<12} {when}  {r['run_id']}  {attempts}  {base}")
         problems = [_ratio_text(f) for f in r["failing"]]
+        problems += [f"suspicious: {_ratio_text(f)} ({f['reason']})" for f in r.get("suspicious") or []]
         problems += [f"paired {paired_text(p, why=False)}" for p in r.get("paired") or []]
         problems += [f"{b.get('table')}.{b.get('column') or b.get('expectation')}: observed {b.get('observed')}, "
                      f"allowed {b.get('allowed')}" for b in r["breaches"]]
         problems += [f"infra: {str(e).splitlines()[0]}" for e in r["infra_errors"]]
-        problems += [f"undecided: {str(e).splitlines()[0].removeprefix('undecided: ')}" for e in r["undecided"]]
+        # The suspicious metrics are named above: their check's entry would only count them again.
+        undecided = [str(e).splitlines()[0] for e in r["undecided"]
+                     if not (r.get("suspicious") and str(e).startswith("suspicious: comparison."))]
+        problems += [e if e.startswith(("undecided: ", "suspicious: ")) else f"undecided: {e}" for e in undecided]
         for p in problems:
             lines.append(f"{'':<{width}}    - {p}")
         if r.get("calibration"):

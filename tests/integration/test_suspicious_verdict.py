@@ -1,0 +1,68 @@
+"""A ``suspicious`` comparison row (the history rule, ``compare.consecutive``) through the shipped
+Great Expectations suites and the verdict: inconclusive (exit 2) with a "suspicious:" reason, never a
+pass, never a breach, never a baseline; a regression elsewhere still fails the run."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from servegate.config import available_profiles, load_config
+from servegate.render import format_verdict_table, metric_rows, verdict_markdown
+from servegate.validate import load_suites, validate_tables
+from servegate.verdict import ExitCode, decide_verdict
+
+REASON = ("regression in 1 of the last 2 run(s) (compare.consecutive = 2; the streak breaks at run night-2 "
+          "(no_change)): not yet called; the next run decides")
+
+
+def comparison_table(decisions: tuple[str, ...], gated: tuple[bool, ...]) -> pd.DataFrame:
+    return pd.DataFrame({"metric": [f"m{i}" for i in range(len(decisions))], "decision": list(decisions),
+                         "gated": list(gated), "ratio": [1.6] * len(decisions), "ci_low": [1.4] * len(decisions),
+                         "ci_high": [1.8] * len(decisions), "bound": [0.05] * len(decisions),
+                         "reason": [REASON if d == "suspicious" else None for d in decisions]})
+
+
+def comparing_profiles() -> list[str]:
+    return [p for p in available_profiles() if load_config(profile=p).compare.enabled
+            or "comparison" in load_suites(load_config(profile=p).validate_.expectation_profile)]
+
+
+def comparison_outcomes(profile: str, decisions: tuple[str, ...], gated: tuple[bool, ...]) -> list:
+    suite = load_config(profile=profile).validate_.expectation_profile
+    tables = {"comparison": comparison_table(decisions, gated)}
+    return [o for o in validate_tables(tables, suite) if o.table == "comparison"]
+
+
+@pytest.mark.parametrize("profile", comparing_profiles())
+def test_a_suspicious_gated_metric_is_inconclusive_never_a_pass_nor_a_baseline(profile: str) -> None:
+    verdict = decide_verdict(comparison_outcomes(profile, ("no_change", "suspicious"), (True, True)), [])
+    assert (verdict.status, verdict.exit_code, verdict.breaches) == ("inconclusive", ExitCode.UNDECIDED, [])
+    assert verdict.baseline_eligible is False and verdict.infra_errors == []
+    assert verdict.reason.startswith("suspicious: gated metric(s) beyond the bound in this run but not yet in "
+                                     "compare.consecutive runs in a row (comparison: 1 of 2 rows: ['suspicious'])"), \
+        verdict.reason
+    [entry] = verdict.undecided
+    assert entry.startswith("suspicious: comparison.decision expect_column_values_to_not_be_in_set failed"), entry
+    assert "history rule (compare.consecutive" in entry, entry  # the expectation's source
+
+
+def test_a_regression_elsewhere_still_fails_and_an_undecided_metric_is_listed_too() -> None:
+    failed = decide_verdict(comparison_outcomes("cpu-nightly", ("regression", "suspicious"), (True, True)), [])
+    assert failed.status == "fail" and [b.column for b in failed.breaches] == ["decision"], failed
+    assert [e.split(":")[0] for e in failed.undecided] == ["suspicious"]
+    both = decide_verdict(comparison_outcomes("cpu-nightly", ("inconclusive", "suspicious"), (True, True)), [])
+    assert both.status == "inconclusive" and both.reason.startswith("suspicious: "), both.reason
+    assert both.reason.endswith("; 1 check(s) undecided as well")
+    assert sorted(e.split(":")[0] for e in both.undecided) == ["suspicious", "undecided"]
+
+
+def test_the_terminal_and_markdown_verdict_show_the_suspicious_metric() -> None:
+    table = comparison_table(("no_change", "suspicious"), (True, True))
+    verdict = decide_verdict(comparison_outcomes("cpu-nightly", ("no_change", "suspicious"), (True, True)), [])
+    rows = metric_rows([], table.to_dict("records"))
+    assert [r[0] for r in rows] == ["ok", "SUSPECT"] and rows[1][4] == "baseline: suspicious", rows
+    text = format_verdict_table(verdict, metrics=rows)
+    assert "VERDICT: INCONCLUSIVE (exit 2) - suspicious: " in text and "  - suspicious: comparison.decision" in text
+    assert "**inconclusive** (exit 2)" in verdict_markdown(verdict)
+    assert "- suspicious: comparison.decision" in verdict_markdown(verdict)
