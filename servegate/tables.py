@@ -17,7 +17,8 @@ __all__ = ["TableSpec", "TABLES", "KNOWN_TABLES", "TABLE_STAGE", "columns", "ONE
            "OFFLINE_ONE_BATCH_COLUMNS", "REQUEST_COLUMNS", "SERVING_SUMMARY_COLUMNS", "SAMPLE_COLUMNS",
            "OCCUPANCY_SUMMARY_COLUMNS", "COMPARISON_COLUMNS", "ACCURACY_COLUMNS", "ITEM_COLUMNS",
            "AGREEMENT_COLUMNS", "AGREEMENT_ROW_COLUMNS", "PAIRED_COLUMNS", "PAIRED_ROUND_COLUMNS",
-           "PAIRED_WORKER_COLUMNS", "CAPACITY_STEP_COLUMNS", "CAPACITY_COLUMNS", "WORKER_COLUMNS", "COST_COLUMNS"]
+           "PAIRED_WORKER_COLUMNS", "PAIRED_PROFILE_COLUMNS", "PROFILE_OPS_COLUMNS", "CAPACITY_STEP_COLUMNS",
+           "CAPACITY_COLUMNS", "WORKER_COLUMNS", "COST_COLUMNS"]
 
 WORKER_COLUMNS: Final = ["engine", "startup_s", "ready_rss_mib", "peak_rss_mib", "rss_samples",
                           "rss_sample_interval_s", "peak_through"]
@@ -129,6 +130,17 @@ interval as it stood after that round."""
 PAIRED_WORKER_COLUMNS: Final = ["side", "instance", "engine", "model", "python", "extra_args", "cpus", "pid",
                                 "launch_s", "warmup_s"]
 """``paired_workers``: every worker instance the paired stage launched (provenance and cost)."""
+PAIRED_PROFILE_COLUMNS: Final = ["side", "engine", "status", "traces", "trace_bytes", "requests", "profile_s",
+                                 "itl_median_ms", "reason"]
+"""``paired_profiles`` (``paired.profile``, after a confirmed regression): one row per side, ``status``
+``recorded`` (``traces``: a JSON list of the trace files, relative to the run folder), ``not_applicable``
+(the engine has no profiler endpoints) or ``failed``; ``reason`` says why. ``requests``: the block of
+requests sent while profiling; ``profile_s`` from start to the trace on disk; ``itl_median_ms`` that
+block's median inter-token latency (against the ``paired`` medians: what profiling cost)."""
+PROFILE_OPS_COLUMNS: Final = ["op", "calls_a", "calls_b", "self_ms_a", "self_ms_b", "delta_ms", "ratio"]
+"""``profile_ops``: per operator of either trace, its calls and self time (less nested operators) in the
+baseline's (a) and the candidate's (b) profile of the same requests, ``delta_ms`` = b - a and ``ratio`` =
+b / a (inf: only b ran it), largest slow-down first (:mod:`servegate.profiling`)."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +171,8 @@ TABLES: Final[dict[str, TableSpec]] = {t.name: t for t in (
     TableSpec("paired", "paired", tuple(PAIRED_COLUMNS)),
     TableSpec("paired_rounds", "paired", tuple(PAIRED_ROUND_COLUMNS)),
     TableSpec("paired_workers", "paired", tuple(PAIRED_WORKER_COLUMNS)),
+    TableSpec("paired_profiles", "paired", tuple(PAIRED_PROFILE_COLUMNS)),
+    TableSpec("profile_ops", "paired", tuple(PROFILE_OPS_COLUMNS)),
 )}
 
 KNOWN_TABLES: Final = tuple(TABLES)

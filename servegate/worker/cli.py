@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from servegate.errors import ConfigError, ServegateError
-from servegate.worker.faults import add_fault_arguments, faults_from_args
+from servegate.worker.faults import add_fault_arguments, faults_from_args, slow_down_activations
 
 __all__ = ["add_arguments", "run", "main", "DEFAULT_MEM_FRACTION_STATIC", "DEFAULT_MAX_RUNNING_REQUESTS",
            "DEFAULT_CHUNKED_PREFILL_SIZE", "API_KEY_ENV"]
@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all CPUs but one, left to the HTTP loop and the client)")
     parser.add_argument("--random-seed", type=int, default=0, help="seed of the sampler")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--profiler-dir", default=None, metavar="DIR",
+                        help="enable POST /start_profile and /stop_profile (vLLM's routes; 404 without this option): "
+                             "torch.profiler traces of the model's operators, written to DIR as "
+                             "*.pt.trace.json.gz (Chrome trace format)")
     add_fault_arguments(parser)
 
 
@@ -151,6 +155,13 @@ def run(args: argparse.Namespace) -> int:
                           f"{DEFAULT_CHUNKED_PREFILL_SIZE}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
         raise ConfigError(f"--mem-fraction-static must be within (0, 1], got {args.mem_fraction_static}")
+    if args.profiler_dir is not None:
+        args.profiler_dir = str(Path(args.profiler_dir).resolve())
+        try:
+            Path(args.profiler_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--profiler-dir {args.profiler_dir}: cannot create it ({exc}); give a writable "
+                              f"directory") from exc
 
     model_path = ensure_model(args.model)
     model_config = AutoConfig.from_pretrained(str(model_path))
@@ -205,6 +216,7 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
     """Load the model and start the scheduler; on failure end the process (nothing could serve)."""
     import torch
 
+    from servegate.worker.profiler import StepProfiler
     from servegate.worker.scheduler import Scheduler, SchedulerConfig
     from servegate.models import load_model
     from servegate.worker.server import install_crash_fault
@@ -215,13 +227,18 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
     try:
         torch.set_num_threads(args.num_threads or default_thread_count())
         model, tokenizer = load_model(model_path, args.dtype)
+        if state.faults.slow_activation_factor > 1:
+            slowed = slow_down_activations(model, state.faults.slow_activation_factor)
+            log.warning("fault injection: %d MLP activations computed %d times per call", slowed,
+                        state.faults.slow_activation_factor)
         scheduler = Scheduler(model, tokenizer, SchedulerConfig(
             max_total_tokens=state.token_capacity, max_running_requests=state.max_running_requests,
             context_length=context_length, decode_log_interval=args.decode_log_interval,
             speculative_num_draft_tokens=args.speculative_num_draft_tokens if args.speculative_algorithm else None,
             enable_prefix_cache=not args.disable_radix_cache, seed=args.random_seed,
             chunked_prefill_size=args.chunked_prefill_size,
-        ), metrics=state.metrics, faults=state.faults)
+        ), metrics=state.metrics, faults=state.faults,
+            profiler=StepProfiler(Path(args.profiler_dir)) if args.profiler_dir else None)
         if state.faults.crash_after_requests is not None:
             install_crash_fault(scheduler, state.faults.crash_after_requests)
         scheduler.start()

@@ -11,6 +11,11 @@ the gate can be exercised against a real worker process:
     Make every forward pass P percent slower (sleep P% of its measured duration *inside*
     the timed forward window): throughput drops while occupancy stays high, like slower
     kernels.
+``slow_activation_factor``
+    Compute each MLP's activation (the HF model's ``mlp.act_fn`` modules: ``aten::silu`` in Llama
+    and SmolLM2) K times per call, returning the same result: one real operator becomes slower,
+    as a worse kernel would, and an operator profile shows which (``decode_slowdown_pct`` is a
+    sleep, which no operator profile can name). Prefill and decode alike.
 ``crash_after_requests``
     ``os._exit(1)`` right after the N-th completed user request (``/generate`` and the
     OpenAI routes; ``/health_generate`` does not count) has been answered.
@@ -51,7 +56,7 @@ from typing import Any, Literal
 
 from servegate.errors import ConfigError
 
-__all__ = ["FaultConfig", "add_fault_arguments", "faults_from_args", "ENV_PREFIX"]
+__all__ = ["FaultConfig", "add_fault_arguments", "faults_from_args", "slow_down_activations", "ENV_PREFIX"]
 
 ENV_PREFIX = "SERVEGATE_FAULT_"
 
@@ -62,6 +67,7 @@ class FaultConfig:
 
     decode_delay_ms: float = 0.0
     decode_slowdown_pct: float = 0.0
+    slow_activation_factor: int = 1
     crash_after_requests: int | None = None
     flush_busy_s: float = 0.0
     occupancy: Literal["nan", "absent"] | None = None
@@ -87,6 +93,9 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
                        help="sleep MS after every decode step (host overhead; lowers fwd_occupancy)")
     group.add_argument("--fault-decode-slowdown-pct", type=float, default=None, metavar="P",
                        help="make every forward pass P percent slower (inside the forward window)")
+    group.add_argument("--fault-slow-activation-factor", type=int, default=None, metavar="K",
+                       help="compute each MLP activation (aten::silu) K times per call, same result: one operator "
+                            "K times slower")
     group.add_argument("--fault-crash-after-requests", type=int, default=None, metavar="N",
                        help="os._exit(1) after the N-th completed user request")
     group.add_argument("--fault-flush-busy-s", type=float, default=None, metavar="S",
@@ -135,7 +144,8 @@ def _parse(name: str, raw: Any, kind: type) -> Any:
 def faults_from_args(args: argparse.Namespace) -> FaultConfig:
     """Flags first, then ``SERVEGATE_FAULT_<NAME>``, then the defaults; values are checked."""
     kinds: dict[str, type] = {
-        "decode_delay_ms": float, "decode_slowdown_pct": float, "crash_after_requests": int,
+        "decode_delay_ms": float, "decode_slowdown_pct": float, "slow_activation_factor": int,
+        "crash_after_requests": int,
         "flush_busy_s": float, "occupancy": str, "startup_oom": bool, "error_rate": float,
         "cut_stream_after_tokens": int, "corrupt_logits": bool, "random_drafts": bool, "only_first_launch": str,
     }
@@ -156,6 +166,9 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
         raise ConfigError(f"fault error_rate must be within [0, 1], got {cfg.error_rate}")
     if cfg.occupancy not in (None, "nan", "absent"):
         raise ConfigError(f"fault occupancy must be 'nan' or 'absent', got {cfg.occupancy!r}")
+    if cfg.slow_activation_factor < 1:
+        raise ConfigError(f"fault slow_activation_factor must be >= 1 (times each activation is computed), got "
+                          f"{cfg.slow_activation_factor}")
     for name in ("crash_after_requests", "cut_stream_after_tokens"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
@@ -168,3 +181,34 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
         except OSError as exc:
             raise ConfigError(f"fault only_first_launch: cannot create {cfg.only_first_launch}: {exc}") from exc
     return cfg
+
+
+def slow_down_activations(model: Any, factor: int) -> int:
+    """The ``slow_activation_factor`` fault: every ``<module>.mlp.act_fn`` of ``model`` computed
+    ``factor`` times per call (the extra results dropped); returns how many activations it slowed.
+
+    ``ConfigError`` when the model has no such module (the fault would silently do nothing)."""
+    import torch
+
+    class RepeatedActivation(torch.nn.Module):
+        def __init__(self, act: torch.nn.Module, times: int) -> None:
+            super().__init__()
+            self.act = act
+            self.times = times
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(self.times - 1):
+                self.act(x)
+            return self.act(x)
+
+    slowed = 0
+    for module in list(model.modules()):
+        mlp = getattr(module, "mlp", None)
+        act = getattr(mlp, "act_fn", None)
+        if isinstance(act, torch.nn.Module) and not isinstance(act, RepeatedActivation):
+            mlp.act_fn = RepeatedActivation(act, factor)
+            slowed += 1
+    if not slowed:
+        raise ConfigError(f"--fault-slow-activation-factor: {type(model).__name__} has no mlp.act_fn module to "
+                          f"slow down; the fault supports Llama-style models (SmolLM2, tiny-random)")
+    return slowed

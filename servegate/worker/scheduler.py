@@ -20,6 +20,8 @@ budget and the prefix cache in :mod:`servegate.worker.kv_budget`.
   throughput) and the fault switches that act on timing are applied here.
 * In speculative mode (NGRAM) requests are served one at a time by
   :func:`servegate.worker.spec.speculative_generate`, through :meth:`Scheduler._run_speculative`.
+* The operator profiler (``--profiler-dir``, :mod:`servegate.worker.profiler`) is started and
+  stopped here, between two loop turns, on a command the HTTP thread queues (:meth:`Scheduler.profile`).
 
 Why one module over 400 lines: one lock (``_cv``) guards the queue, the budget, the batch's rows
 and every request's finish, and the HTTP threads take it too. Everything that takes it lives in
@@ -30,6 +32,7 @@ prefix cache behind its own lock) already lives in the modules above.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import random
@@ -47,6 +50,7 @@ from servegate.worker.batch import Batch, _wants_input_logprobs, record_input_lo
 from servegate.worker.faults import FaultConfig
 from servegate.worker.kv_budget import PrefixCache, TokenBudget
 from servegate.worker.metrics import OccupancyWindow, ThroughputWindow, WorkerMetrics, now
+from servegate.worker.profiler import ProfileCommand, StepProfiler
 from servegate.worker.request import KV, Request
 from servegate.worker.sampling import Sampler, SamplingParams
 
@@ -142,7 +146,7 @@ class Scheduler:
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: SchedulerConfig, *, metrics: WorkerMetrics,
-                 faults: FaultConfig | None = None) -> None:
+                 faults: FaultConfig | None = None, profiler: StepProfiler | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -169,6 +173,7 @@ class Scheduler:
         self._draft_rng = random.Random(self.faults.seed)
         self.on_user_request_done: Callable[[int], None] | None = None
         """Called from the scheduler thread with the number of user requests completed so far."""
+        self.profiler = profiler
 
     # ------------------------------------------------------------------ public API
     @property
@@ -237,6 +242,18 @@ class Scheduler:
         with self._cv:
             self._cv.notify_all()
 
+    def profile(self, command: ProfileCommand) -> concurrent.futures.Future:
+        """Ask the scheduler thread to start or stop the profiler between two steps; the future
+        resolves once it has (``stop``: to the trace's path). ``ConfigError`` without a profiler."""
+        if self.profiler is None:
+            raise ConfigError("the worker has no profiler; start it with --profiler-dir DIR")
+        with self._cv:
+            if self._stopping:
+                raise ConfigError("the worker is shutting down")
+            future = self.profiler.submit(command)
+            self._cv.notify_all()
+        return future
+
     def is_busy(self) -> bool:
         with self._cv:
             return self._num_active > 0
@@ -269,7 +286,8 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stopping and not self._waiting and not self.batch.rows:
+                    while not self._stopping and not self._waiting and not self.batch.rows \
+                            and not (self.profiler is not None and self.profiler.has_pending()):
                         self._occupancy.restart()
                         self.metrics.set_occupancy(self._occupancy.value)
                         self._throughput.restart()
@@ -277,9 +295,15 @@ class Scheduler:
                         self._cv.wait()
                     if self._stopping:
                         self._fail_all_locked("the worker is shutting down")
+                        if self.profiler is not None:
+                            self.profiler.abandon("the worker is shutting down")
                         return
+                    profile_commands = self.profiler.take() if self.profiler is not None else []
                     admitted = self._admit_locked()
                     self._publish_state_locked()
+                if profile_commands:
+                    # Between two steps, in this thread: the one that runs the model's operators.
+                    self.profiler.apply(profile_commands)  # type: ignore[union-attr]
                 try:
                     if self.speculative:
                         for req in admitted:

@@ -2,7 +2,9 @@
 OpenAI's (``servegate.worker.openai_routes``) over one ``WorkerState``.
 
 Native: ``POST /generate``, ``GET /health``, ``GET /health_generate``,
-``GET /get_server_info`` (and ``/server_info``), ``GET|POST /flush_cache``, ``GET /metrics``.
+``GET /get_server_info`` (and ``/server_info``), ``GET|POST /flush_cache``, ``GET /metrics``, and
+with ``--profiler-dir`` vLLM's ``POST /start_profile`` and ``POST /stop_profile``
+(:mod:`servegate.worker.profiler`; 404 without the option, as vLLM without a profiler).
 What the two surfaces share (readiness, fault injection, submitting requests, waiting for or
 streaming their tokens) is ``servegate.worker.http_plumbing``.
 """
@@ -35,6 +37,8 @@ __all__ = ["build_app", "authorized", "install_crash_fault"]
 log = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+PROFILE_TIMEOUT_S = 300.0
+"""Longest wait for the scheduler to start the profiler or write its trace (a step in progress ends first)."""
 FLUSH_POLL_S = 0.05
 
 
@@ -256,6 +260,32 @@ def build_app(state: WorkerState) -> FastAPI:
             return PlainTextResponse("metrics are disabled; start the worker with --enable-metrics\n",
                                      status_code=404)
         return Response(content=state.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def profile_command(command: str) -> Any:
+        if not state.server_args.get("profiler_dir"):
+            return PlainTextResponse("profiling is off; start the worker with --profiler-dir DIR\n", status_code=404)
+        scheduler = plumbing.scheduler_or_none()
+        if scheduler is None:
+            return plumbing.not_ready()
+        try:
+            future = scheduler.profile(command)  # type: ignore[arg-type]
+            return await asyncio.wait_for(asyncio.wrap_future(future), PROFILE_TIMEOUT_S)
+        except ConfigError as exc:
+            return plumbing.error(str(exc), 400)
+        except asyncio.TimeoutError:
+            return plumbing.error(f"the profiler did not {command} within {PROFILE_TIMEOUT_S:g} s", 503)
+        except (OSError, RuntimeError) as exc:
+            return plumbing.error(f"the profiler failed to {command}: {exc}", 500)
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        answer = await profile_command("start")
+        return answer if isinstance(answer, Response) else PlainTextResponse("Profiler started.\n")
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        answer = await profile_command("stop")
+        return answer if isinstance(answer, Response) else plumbing.json({"trace": answer})
 
     register_openai_routes(app, plumbing)
     return app
