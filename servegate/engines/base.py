@@ -8,7 +8,7 @@ Each concrete engine is one small module in this package.
 
 It also states its capabilities as class attributes (``launches``, ``can_flush``,
 ``has_metrics``, ``has_occupancy_gauge``, ``reports_capacity``, ``has_logprobs``,
-``takes_prompt_batches``), so that a
+``takes_prompt_batches``, ``profiler_routes``), so that a
 stage can tell "this engine cannot do that" (not applicable) from "it failed" (a breach or an
 infra error) without branching on the engine's name.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import requests
@@ -27,7 +28,7 @@ from servegate.config import REDACTED, WorkerSpec
 from servegate.errors import ConfigError
 from servegate.http import request_within
 
-__all__ = ["Engine", "ServerCapacity", "Protocol", "user_env"]
+__all__ = ["Engine", "ServerCapacity", "Protocol", "ProfilerRoutes", "user_env"]
 
 Protocol = Literal["native", "openai", "openai-text"]
 
@@ -42,6 +43,16 @@ class ServerCapacity:
     """effective_max_running_requests_per_dp * dp_size (SGLang) or max_running_requests."""
     raw: dict[str, Any] = field(default_factory=dict)
     """The server info document as returned (empty when the engine has none)."""
+
+
+@dataclass(frozen=True)
+class ProfilerRoutes:
+    """The engine's own operator profiler over HTTP: POST ``start``, requests, POST ``stop``; the
+    traces (Chrome trace files) are then in the directory the worker was launched with
+    (:meth:`Engine.with_profiler`)."""
+
+    start: str
+    stop: str
 
 
 class Engine(abc.ABC):
@@ -86,6 +97,9 @@ class Engine(abc.ABC):
     idle_spin_s: ClassVar[float] = 0.0
     """How long the server keeps a core busy after its last step (a busy-wait before it sleeps): the
     paired stage lets that pass before each block, or the other side's block would pay for it."""
+    profiler_routes: ClassVar[ProfilerRoutes | None] = None
+    """The engine's profiler endpoints (enabled at launch by :meth:`with_profiler`); None: the gate
+    cannot profile this engine (the paired stage's profile is then not applicable)."""
     api_key_env_var: ClassVar[str | None] = None
     """The environment variable the server reads its API key from; None when it only takes a
     command-line flag (visible to every user in ``ps``)."""
@@ -110,6 +124,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         """The server's command line as an argument list (never a shell string)."""
+
+    def with_profiler(self, spec: WorkerSpec, trace_dir: Path) -> WorkerSpec:
+        """``spec`` with the engine's profiler on (``profiler_routes`` answer), its traces written into
+        ``trace_dir`` (made absolute: the server may run elsewhere than the gate's directory).
+        ``ConfigError`` for an engine without one."""
+        raise ConfigError(f"engine {self.name!r} has no profiler endpoints servegate can drive; profiles are "
+                          f"recorded for engines embedded, vllm and sglang (set paired.profile = false)")
 
     def launch_env(self, spec: WorkerSpec) -> dict[str, str]:
         """Environment added to the worker process (on top of os.environ): the API key where the

@@ -7,13 +7,14 @@ Launch flags follow SGLang's spelling; flush, readiness and server info are SGLa
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import ClassVar
 
 import requests
 
 from servegate.budgets import EmbeddedBudget
 from servegate.config import WorkerSpec
-from servegate.engines.base import Engine, Protocol, ServerCapacity
+from servegate.engines.base import Engine, ProfilerRoutes, Protocol, ServerCapacity
 from servegate.engines.sglang import (SGLANG_METRIC_NAMES, SGLANG_PREFIX_CACHE_COUNTERS, fetch_sglang_server_info,
                                      parse_server_info, sglang_common_flags, sglang_flush)
 from servegate.errors import StageError
@@ -38,6 +39,12 @@ class EmbeddedEngine(Engine):
     # The worker reads its key from this variable (servegate/worker/cli.py): never on its command line.
     api_key_env_var: ClassVar[str | None] = API_KEY_ENV
     budget_model: ClassVar[type[EmbeddedBudget]] = EmbeddedBudget
+    # The worker's torch.profiler, on with --profiler-dir (servegate/worker/profiler.py): vLLM's routes.
+    profiler_routes: ClassVar[ProfilerRoutes | None] = ProfilerRoutes("/start_profile", "/stop_profile")
+
+    def with_profiler(self, spec: WorkerSpec, trace_dir: Path) -> WorkerSpec:
+        return spec.model_copy(update={"extra_args": [*spec.extra_args, "--profiler-dir",
+                                                      str(Path(trace_dir).resolve())]})
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = self.budget(spec)

@@ -8,13 +8,14 @@ answers 200 (flushed) or 400 (still busy). Server info comes from ``/server_info
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, ClassVar
 
 import requests
 
 from servegate.budgets import SGLangBudget
 from servegate.config import WorkerSpec
-from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
+from servegate.engines.base import Engine, ProfilerRoutes, Protocol, ServerCapacity, user_env
 from servegate.errors import ConfigError, FlushError, StageError
 from servegate.http import body_excerpt, join_url, json_body, request_within
 
@@ -219,6 +220,13 @@ class SGLangEngine(Engine):
     # creates and removes; until then, attach to a server started with the key (engine external).
     api_key_env_var: ClassVar[str | None] = None
     budget_model: ClassVar[type[SGLangBudget]] = SGLangBudget
+    # sglang/srt/entrypoints/http_server.py: /start_profile and /stop_profile (GET or POST); the traces
+    # (<id>-TP-<rank>.trace.json.gz) go to $SGLANG_TORCH_PROFILER_DIR when the request names no output_dir.
+    profiler_routes: ClassVar[ProfilerRoutes | None] = ProfilerRoutes("/start_profile", "/stop_profile")
+
+    def with_profiler(self, spec: WorkerSpec, trace_dir: Path) -> WorkerSpec:
+        env = {**spec.env, "SGLANG_TORCH_PROFILER_DIR": str(Path(trace_dir).resolve())}
+        return spec.model_copy(update={"env": env})
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = self.budget(spec)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 import requests
@@ -19,7 +20,7 @@ import requests
 from servegate.budgets import VLLMBudget
 from servegate.config import WorkerSpec
 from servegate.engine_install import resolve_engine_python
-from servegate.engines.base import Engine, Protocol, ServerCapacity, user_env
+from servegate.engines.base import Engine, ProfilerRoutes, Protocol, ServerCapacity, user_env
 from servegate.errors import ConfigError, FlushError
 from servegate.http import body_excerpt, join_url, request_within
 from servegate.models import MODEL_ALIASES, ensure_model
@@ -156,6 +157,21 @@ class VLLMEngine(Engine):
     # vLLM's API server takes `--api-key` or, when that is not given, $VLLM_API_KEY.
     api_key_env_var: ClassVar[str | None] = "VLLM_API_KEY"
     budget_model: ClassVar[type[VLLMBudget]] = VLLMBudget
+    # vllm/entrypoints/serve/profile/api_router.py: mounted only when --profiler-config names a profiler.
+    profiler_routes: ClassVar[ProfilerRoutes | None] = ProfilerRoutes("/start_profile", "/stop_profile")
+
+    def with_profiler(self, spec: WorkerSpec, trace_dir: Path) -> WorkerSpec:
+        """``--profiler-config`` (vllm/config/profiler.py, ProfilerConfig): torch.profiler, traces gzipped
+        (``*.pt.trace.json.gz``, its default) into ``trace_dir``, which it wants absolute. Without the
+        API server's own trace (``ignore_frontend``: its Python, not the engine's operators) and without
+        stacks (``torch_profiler_with_stack``, on by default: Python frames, and their overhead, in the
+        operator times)."""
+        if any(a == "--profiler-config" or a.startswith("--profiler-config=") for a in spec.extra_args):
+            raise ConfigError("worker.extra_args already sets --profiler-config; remove it (paired.profile sets "
+                              "it) or set paired.profile = false")
+        config = {"profiler": "torch", "torch_profiler_dir": str(Path(trace_dir).resolve()),
+                  "ignore_frontend": True, "torch_profiler_with_stack": False}
+        return spec.model_copy(update={"extra_args": [*spec.extra_args, "--profiler-config", json.dumps(config)]})
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = self.budget(spec)
