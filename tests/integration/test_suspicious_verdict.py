@@ -66,3 +66,24 @@ def test_the_terminal_and_markdown_verdict_show_the_suspicious_metric() -> None:
     assert "VERDICT: INCONCLUSIVE (exit 2) - suspicious: " in text and "  - suspicious: comparison.decision" in text
     assert "**inconclusive** (exit 2)" in verdict_markdown(verdict)
     assert "- suspicious: comparison.decision" in verdict_markdown(verdict)
+
+
+def test_the_alert_names_the_suspicious_metric_with_the_rule_s_reason(tmp_path) -> None:
+    from servegate.alerts import compose_alert
+    from servegate.results import RunFolder
+
+    table = comparison_table(("no_change", "suspicious"), (True, True)).assign(
+        metric=["serving.ttft_ms.median", "serving.itl_ms.median"], case="", direction="lower_is_better",
+        baseline_runs="")
+    table.attrs["baseline"] = {"policy": "last 5 passing", "run_ids": [], "reason": None}
+    verdict = decide_verdict(comparison_outcomes("cpu-nightly", ("no_change", "suspicious"), (True, True)), [])
+    folder = RunFolder.create(tmp_path / "runs", "cpu-nightly")
+    folder.write_table("comparison", table)
+    folder.write_json("verdict", verdict.model_dump(mode="json"))
+    body = compose_alert({"status": "inconclusive", "reason": "1 of 1 gate(s) could not decide", "gates": [
+        {"deployment": "regression-gate/cpu-nightly", "status": "inconclusive", "reason": verdict.reason,
+         "run_dir": str(folder.path), "flow_run_name": "calm-owl"}]}).body
+    assert "Suspicious metrics, not yet called a regression (1 of 1):" in body, body
+    assert "- `serving.itl_ms.median`: ×1.6000 [1.4000, 1.8000] vs baseline runs, bound 5.0%: regression in 1 of " \
+           "the last 2 run(s)" in body, body
+    assert "Top regressed metrics" not in body and "- suspicious: comparison.decision" in body, body
