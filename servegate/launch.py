@@ -17,9 +17,14 @@ every live handle is also stopped
   Prefect's flow engine installs one that raises ``TerminationSignal`` during a flow run — is
   left alone: it also unwinds the stack, which stops the handles.
 
+``servegate run`` starts the worker's process early (:func:`start_early`, the same start as
+``launch_worker``'s), so that its model load overlaps the gate's own set-up; the launch stage's
+``launch_worker`` adopts it, and one that no launch adopted is stopped by :func:`discard_early`.
+
 What a launch costs is recorded on the handle: ``startup_s`` (from just before the process starts to
-the first ready probe) and ``memory`` (:class:`MemoryHighWater`, the resident memory of the worker's
-whole process tree sampled with psutil from the launch until ``stop()``).
+the first ready probe, which a thread sends from the start on, an early-started process's too) and
+``memory`` (:class:`MemoryHighWater`, the resident memory of the worker's whole process tree sampled
+with psutil from the launch until ``stop()``).
 
 A SIGKILL of the gate itself (or of its process group) cannot be caught: for that, every
 launch starts the process's guardian (``servegate.proctree.guard_process_tree``) and registers
@@ -29,6 +34,8 @@ the worker's group with it; the guardian ends the worker's tree when the gate is
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import logging
 import math
 import os
@@ -51,7 +58,7 @@ from servegate.errors import (ConfigError, ServerUnreachableError, StageError, W
 from servegate.http import make_session
 from servegate.proctree import end_session, exit_on_sigterm, guard_process_tree, watch_group
 
-__all__ = ["WorkerHandle", "MemoryHighWater", "launch_worker", "free_port"]
+__all__ = ["WorkerHandle", "MemoryHighWater", "launch_worker", "start_early", "discard_early", "free_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +181,10 @@ def worker_base_environ(spec: WorkerSpec) -> dict[str, str]:
     return env
 
 
+def _digest(environ: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(environ.items())).encode()).hexdigest()
+
+
 def _redacted(cmd: list[str]) -> str:
     shown = list(cmd)
     for i, arg in enumerate(shown[:-1]):
@@ -206,19 +217,25 @@ class WorkerHandle:
     """A launched (or, for engine "external", attached) worker. Use as a context manager."""
 
     def __init__(self, spec: WorkerSpec, engine: Engine, base_url: str, log_path: Path,
-                 process: subprocess.Popen[bytes] | None, command: list[str] | None = None) -> None:
+                 process: subprocess.Popen[bytes] | None, command: list[str] | None = None,
+                 started: float | None = None, environ: dict[str, str] | None = None) -> None:
         self.spec = spec
         self.engine = engine
         self.base_url = base_url
         self.log_path = log_path
         self.command = command
+        self.environ_digest = None if environ is None else _digest(environ)
+        """What the environment the process was started with was, as a digest: it may hold the worker's key."""
         self._process = process
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self.started = time.perf_counter() if started is None else started
+        """``time.perf_counter()`` just before the process started (attached: when the handle was made)."""
         self.startup_s: float | None = None
         """Seconds from just before the process started to the first ready probe (None: attached)."""
         self.ready_rss_mib = math.nan
         """The tree's resident memory when it was ready (MiB)."""
+        self._ready_watch: _ReadyWatch | None = None
         self.memory = MemoryHighWater(process.pid).start() if process is not None else None
         self.table: object | None = None
         """The launch stage's ``worker`` table (a pandas frame), refreshed in place after each stage on
@@ -380,6 +397,11 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     ready and returns a handle without a process.
     ``engine`` overrides ``get_engine(spec.engine)`` (tests launch a stand-in server this way).
 
+    A process :func:`start_early` started for exactly this launch (the same command and
+    environment) is adopted instead of starting a second one: its log moves to ``log_path``. Readiness
+    is probed from the process's start, in a thread (``_ReadyWatch``), so ``startup_s`` and
+    ``ready_timeout_s`` count from its real start, an adopted one's too.
+
     Raises ``WorkerOOMError`` (SIGKILL during start-up), ``WorkerLaunchError`` (other exit,
     not ready in time, executable missing), ``ConfigError`` (bad timeout).
     """
@@ -387,16 +409,60 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     if isinstance(timeout_s, bool) or math.isnan(timeout_s) or math.isinf(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"ready_timeout_s must be a finite number > 0 (seconds), got {timeout_s!r}")
     engine = engine or get_engine(spec.engine)
-    session = make_session(spec.api_key_value())
     log_path = Path(log_path)
 
     if not engine.launches:
         assert spec.url, "WorkerSpec requires worker.url of an engine that attaches"
         handle = WorkerHandle(spec, engine, spec.url.rstrip("/"), log_path, None)
-        with session:
+        with make_session(spec.api_key_value()) as session:
             _wait_ready(handle, session, timeout_s)
         return handle
 
+    handle = _adopt_early(spec, engine, log_path, timeout_s) or _start(spec, engine, log_path, timeout_s)
+    try:
+        assert handle._ready_watch is not None  # every started handle has one
+        handle._ready_watch.result()
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+class _ReadyWatch:
+    """The readiness wait of a started process, run in a thread from the moment it starts: ``startup_s``
+    is then the worker's own start-up, however late the gate asks (an early-started worker's launch
+    stage comes 10-40 s after its start, when probing only then would count the gate's set-up too)."""
+
+    def __init__(self, handle: "WorkerHandle", timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._watch, name=f"servegate-ready-{handle.pid}", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        handle = self.handle
+        try:
+            with make_session(handle.spec.api_key_value()) as session:
+                _wait_ready(handle, session, self.timeout_s)
+            handle.startup_s = time.perf_counter() - handle.started
+            if handle.memory is not None:
+                handle.ready_rss_mib = handle.memory.sample() / MIB
+        except BaseException as exc:  # raised again in the thread that waits for the launch
+            self._error = exc
+
+    def result(self) -> None:
+        """Wait until the worker is ready; raise what made it fail (exit, OOM kill, timeout)."""
+        while self._thread.is_alive():
+            self._thread.join(0.2)  # short joins: a signal handler (Ctrl-C, SIGTERM) runs in between
+        if self._error is not None:
+            raise self._error
+
+
+def _start(spec: WorkerSpec, engine: Engine, log_path: Path, ready_timeout_s: float) -> WorkerHandle:
+    """Start the worker's process — argument list, own session, its group registered with the guardian,
+    output to ``log_path`` — and its readiness wait (:class:`_ReadyWatch`), without waiting: the one
+    place a worker is started."""
     port = spec.port or free_port(spec.host)
     cmd = engine.launch_command(spec, port)
     # PYTHONUNBUFFERED so that the log tail shows the last words of a crashing Python worker.
@@ -421,15 +487,79 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
                 f"could not start the {engine.name} worker ({_redacted(cmd)}): {exc}; check that the engine is "
                 f"installed, or point worker.python at the interpreter of its virtualenv"
             ) from exc
-    handle = WorkerHandle(spec, engine, f"http://{_connect_host(spec.host)}:{port}", log_path, process, cmd)
+    handle = WorkerHandle(spec, engine, f"http://{_connect_host(spec.host)}:{port}", log_path, process, cmd,
+                          started=started, environ=env)
     _LIVE_HANDLES.add(handle)
-    try:
-        with session:
-            _wait_ready(handle, session, timeout_s)
-        handle.startup_s = time.perf_counter() - started
-        if handle.memory is not None:
-            handle.ready_rss_mib = handle.memory.sample() / MIB
-    except BaseException:
+    handle._ready_watch = _ReadyWatch(handle, ready_timeout_s)
+    return handle
+
+
+# ---- starting the worker early ----------------------------------------------------------------
+# The worker's start-up (interpreter, lazy imports, model load: 5-15 s) need not wait for the gate's
+# own (Prefect's API server, the flow's set-up: another 8-14 s): `servegate run` starts the process
+# first, and the launch stage adopts it. Still one launch path (_start), one handle, one teardown.
+_early_lock = threading.Lock()
+_early: WorkerHandle | None = None
+
+
+def start_early(spec: WorkerSpec, log_path: Path, *, engine: Engine | None = None) -> WorkerHandle | None:
+    """Start the process that a later ``launch_worker(spec, ...)`` in this process will adopt, without
+    waiting for it (one at a time: a previous one nobody adopted is stopped). Nothing starts for an
+    engine that attaches (None). The caller must :func:`discard_early` when the launch does not happen."""
+    global _early
+    engine = engine or get_engine(spec.engine)
+    if not engine.launches:
+        return None
+    discard_early()
+    handle = _start(spec, engine, Path(log_path), spec.ready_timeout_s)
+    with _early_lock:
+        _early = handle
+    logger.info("started the %s worker early (pid %s), for the launch stage to adopt", engine.name, handle.pid)
+    return handle
+
+
+def discard_early() -> None:
+    """Stop the process :func:`start_early` started if no launch adopted it (the launch stage was skipped
+    or never reached), and delete its log. A no-op otherwise."""
+    global _early
+    with _early_lock:
+        handle, _early = _early, None
+    if handle is None:
+        return
+    handle.stop()
+    logger.info("stopped the early-started %s worker (pid %s): no launch adopted it", handle.engine.name, handle.pid)
+    handle.log_path.unlink(missing_ok=True)
+
+
+def _adopt_early(spec: WorkerSpec, engine: Engine, log_path: Path, ready_timeout_s: float) -> WorkerHandle | None:
+    """The early-started process, when it is exactly what this launch would start (same spec, command,
+    environment and readiness timeout); its log moved to ``log_path``. A process that differs is stopped."""
+    global _early
+    with _early_lock:
+        handle, _early = _early, None
+    if handle is None:
+        return None
+    port = int(handle.base_url.rsplit(":", 1)[1])
+    env = {**worker_base_environ(spec), "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
+    watch = handle._ready_watch
+    same = (handle.spec == spec and type(handle.engine) is type(engine) and handle.environ_digest == _digest(env)
+            and handle.command == engine.launch_command(spec, port)
+            and watch is not None and watch.timeout_s == ready_timeout_s)
+    # One that exited during start-up is adopted all the same: the launch then reports its exit and log.
+    why = None if same else "it was started for a different launch"
+    if why is None:
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            if log_path.exists():
+                why = f"{log_path} exists already"
+            else:
+                os.replace(handle.log_path, log_path)  # the same filesystem (the run folder's parent)
+                handle.log_path = log_path
+        except OSError as exc:
+            why = f"its log could not move to {log_path}: {exc}"
+    if why is not None:
+        logger.info("not adopting the early-started worker (pid %s): %s; starting a fresh one", handle.pid, why)
         handle.stop()
-        raise
+        handle.log_path.unlink(missing_ok=True)
+        return None
     return handle

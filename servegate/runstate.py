@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from servegate.launch import WorkerHandle
     from servegate.results import RunFolder
 
-__all__ = ["DEVICE_SLOT_ENV", "GateRun", "call_flow", "device_slot_limit", "hold_device_slot", "resolve_config"]
+__all__ = ["DEVICE_SLOT_ENV", "GateRun", "call_flow", "device_slot_limit", "hold_device_slot", "resolve_config",
+           "start_worker_early"]
 
 logger = logging.getLogger("servegate.runstate")
 
@@ -61,6 +62,39 @@ def call_flow(flow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
             raise
         raise InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`, or raise "
                          f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a loaded machine.") from exc
+
+
+def start_worker_early(config: GateConfig) -> bool:
+    """Start the gate's worker's process now, for the launch stage to adopt (``servegate.launch.start_early``),
+    when the gate will launch it: an engine that launches, an enabled stage that measures the gate's worker,
+    and no device slot to hold first (the worker must not take the device before the gate holds it).
+
+    Its model load then overlaps the gate's own start (Prefect's API server, the flow's set-up). The
+    log goes to ``output_dir`` and moves into the run folder when the launch adopts the process; a
+    process nothing adopted is stopped by ``GateRun.stop_worker``/``close`` (and by the usual exit
+    hooks and guardian). Returns whether a process was started.
+    """
+    from servegate.launch import start_early
+    from servegate.stages import MEASUREMENT_STAGES
+
+    if device_slot_limit() is not None or not get_engine(config.worker.engine).launches:
+        return False
+    if not _measures_gate_worker(config, MEASUREMENT_STAGES):
+        return False
+    log_path = Path(config.output_dir) / f".worker-{os.getpid()}.log"
+    return start_early(config.worker, log_path) is not None
+
+
+def _measures_gate_worker(config: GateConfig, stages: "list[str] | tuple[str, ...]") -> bool:
+    """Whether any of ``stages`` that is enabled measures the gate's own worker (so it is launched)."""
+    from servegate.stages import STAGES
+
+    for name in stages:
+        stage = STAGES[name]
+        section = getattr(config, stage.section, None) if stage.section else None
+        if stage.flushed and getattr(section, "enabled", True):
+            return True
+    return False
 
 
 def device_slot_limit() -> str | None:
@@ -189,21 +223,18 @@ class GateRun:
 
     def uses_worker(self, stages: "list[str] | tuple[str, ...]") -> bool:
         """Whether any of ``stages`` that is enabled measures the gate's own worker (so it is launched)."""
-        from servegate.stages import STAGES
-
-        for name in stages:
-            stage = STAGES[name]
-            section = getattr(self.config, stage.section, None) if stage.section else None
-            if stage.flushed and getattr(section, "enabled", True):
-                return True
-        return False
+        return _measures_gate_worker(self.config, stages)
 
     def stop_worker(self) -> list[str]:
-        """Stop the gate's worker (before a stage that runs its own); teardown errors are returned."""
+        """Stop the gate's worker (before a stage that runs its own), and an early-started one no launch
+        adopted; teardown errors are returned."""
+        from servegate.launch import discard_early
+
         self.closed = True
-        if self.worker is None:
-            return []
         try:
+            discard_early()
+            if self.worker is None:
+                return []
             self.worker.stop()
         except InfraError as exc:
             logger.error("teardown failed: %s", exc)
@@ -366,9 +397,16 @@ class GateRun:
     def close(self) -> list[str]:
         """End the worker's whole process tree, then release the device slot. Safe to call more than
         once; returns teardown errors (never raised: they must not hide the run's outcome)."""
+        from servegate.launch import discard_early
+
         self.closed = True
         errors = []
         try:
+            try:
+                discard_early()
+            except InfraError as exc:
+                errors.append(f"teardown: {exc}")
+                logger.error("teardown failed: %s", exc)
             for handle in [self.worker, *self.side_workers]:
                 if handle is not None:
                     try:

@@ -44,16 +44,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     quiet = [] if getattr(args, "verbose", False) else ["serving.progress=false"]  # the stage view shows progress
     config = load_gate_config(args, [*quiet, *([f"output_dir={args.output_dir}"] if args.output_dir else [])])
 
-    # Prefect and the flow only once the config is known to be good: a bad --set fails at once.
-    from servegate import console
-    from servegate.flows.gate import regression_gate
-    from servegate.runstate import call_flow
+    # Prefect and the flow only once the config is known to be good: a bad --set fails at once. The
+    # worker's process starts first: its model load overlaps Prefect's start and the flow's set-up,
+    # and the launch stage adopts it (a process nothing adopted is stopped below).
+    from servegate.launch import discard_early
+    from servegate.runstate import call_flow, start_worker_early
 
-    console.install()
     try:
-        result = call_flow(regression_gate, config)
+        start_worker_early(config)
+        from servegate import console
+        from servegate.flows.gate import regression_gate
+
+        console.install()
+        try:
+            result = call_flow(regression_gate, config)
+        finally:
+            console.uninstall()
     finally:
-        console.uninstall()
+        discard_early()
     return show_verdict(result, as_json=args.json, footer=f"run folder: {result['run_dir']}",
                         github=bool(getattr(args, "github", False)))
 

@@ -85,16 +85,16 @@ def stage_status(tmp_path: Path) -> dict[str, dict]:
 
 
 def wait_for_stage(gate: subprocess.Popen, tmp_path: Path, stage: str, timeout_s: float = 240) -> None:
-    """Return once ``stage`` is running: its flush (or, for launch, the run folder) is done and the
-    stage itself has not been recorded yet."""
+    """Return once ``stage`` is running: its flush is done and the stage itself has not been recorded
+    yet. For launch: once the worker's process runs (``servegate run`` starts it before Prefect and the
+    flow are up, and the launch stage adopts it), before it is ready."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if gate.poll() is not None:
             raise AssertionError(f"the gate exited ({gate.returncode}) before {stage} began:\n{gate.stderr.read()[-3000:]}")
         stages = stage_status(tmp_path)
-        folder = run_folder(tmp_path)
         if stage == "launch":
-            started = folder is not None and (folder / "worker.log").is_file()
+            started = bool(marked_processes(tmp_path, "servegate", "worker", "--model"))
         else:
             started = stages.get(f"flush:{stage}", {}).get("status") == "ok"
         if started and stage not in stages:
