@@ -10,8 +10,10 @@
   for a run that speculated, its accept length over time beside the serving ITLs), each compared
   metric's nightly trend (the report-only ones too) with its baseline band (baseline value x [1 - bound, 1 + bound]), and, when the run has a
   ``paired`` table, the paired comparison: per metric ratio, interval and decision, per gated
-  metric the per-round ratios and the interval narrowing round by round, and the provenance of
-  both workers. The plots are :mod:`servegate.plots`.
+  metric the per-round ratios and the interval narrowing round by round, the provenance of
+  both workers and, after a confirmed regression (``paired.profile``), the operators whose time
+  changed most between the two profiler traces, with the traces' paths. The plots are
+  :mod:`servegate.plots`.
 - :func:`write_junit` — one ``<testcase>`` per expectation; breaches are ``<failure>``,
   expectations that could not be evaluated are ``<skipped>``, infra errors are ``<error>``.
 - :func:`write_markdown_summary` — the verdict line (status, exit code, key), a key-metric table
@@ -26,6 +28,7 @@ a wide table scrolls inside its own box, plots shrink to the window.
 from __future__ import annotations
 
 import html
+import json
 import math
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
@@ -63,6 +66,8 @@ paired plots ``paired_ratio:<metric>`` and ``paired_interval:<metric>`` (one eac
 of the ``paired`` table)."""
 
 _TREND_RUNS = 30
+PROFILE_OPS_SHOWN = 15
+"""Rows of ``profile_ops`` the report shows: the largest slow-downs (the table keeps every operator)."""
 _STATUS_COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "inconclusive": "#9a6700"}
 
 
@@ -241,6 +246,7 @@ def _paired_section(tables: Mapping[str, pd.DataFrame]) -> list[str]:
     for row in gated_paired_rows(paired.to_dict("records")):
         parts.append(paired_ratio_plot(row, rounds))
         parts.append(paired_interval_plot(row, rounds))
+    parts += _profile_section(tables)
     if workers is not None and not workers.empty:
         parts.append("<h3>Paired workers</h3>")
         parts.append(_wrap(_html_table(
@@ -249,6 +255,42 @@ def _paired_section(tables: Mapping[str, pd.DataFrame]) -> list[str]:
             [[w.side, w.instance, w.engine, w.model, _text_or(w.python, "default"), w.extra_args,
               _text_or(w.cpus, "not pinned"), w.pid, w.launch_s, w.warmup_s]
              for w in workers.itertuples(index=False)], "paired-workers")))
+    return parts
+
+
+def _profile_section(tables: Mapping[str, pd.DataFrame]) -> list[str]:
+    """After a confirmed regression: where each side's profiler trace is (or why there is none) and
+    the ``PROFILE_OPS_SHOWN`` operators whose self time grew most, candidate against baseline."""
+    profiles = tables.get("paired_profiles")
+    if profiles is None or profiles.empty:
+        return []
+    parts = ['<h3 id="profile-ops">Operators whose time changed most</h3>']
+    items = []
+    for r in profiles.itertuples(index=False):
+        if r.status == "recorded":
+            try:
+                files = json.loads(r.traces) if isinstance(r.traces, str) else []
+            except ValueError:
+                files = []
+            shown = ", ".join(f"<code>{html.escape(str(f))}</code>" for f in files) or "–"
+            items.append(f"<li>{html.escape(str(r.side))} ({html.escape(str(r.engine))}): {shown}</li>")
+        else:
+            items.append(f"<li>{html.escape(str(r.side))} ({html.escape(str(r.engine))}): no trace, "
+                         f"{html.escape(str(r.status).replace('_', ' '))}: {html.escape(_text_or(r.reason, ''))}</li>")
+    parts.append(f'<p>Profiler traces (in the run folder):</p><ul id="profile-traces">{"".join(items)}</ul>')
+    ops = tables.get("profile_ops")
+    if ops is None or ops.empty:
+        parts.append('<p class="empty">No operator comparison: both traces are needed.</p>')
+        return parts
+    requests = _first(tables, "paired_profiles", "requests")
+    parts.append(f'<p class="note">Self time of each operator (its time less that of the operators it calls) over '
+                 f'the same block of {requests or "?"} requests on each side; the {min(PROFILE_OPS_SHOWN, len(ops))} '
+                 f'largest increases of {len(ops)} operators, largest first. A: baseline, B: candidate.</p>')
+    rows = [[r.op, r.calls_a, r.calls_b, _fmt(r.self_ms_a, 4), _fmt(r.self_ms_b, 4), _fmt(r.delta_ms, 4),
+             "only in B" if r.ratio == math.inf else ratio_number_text(r.ratio)]
+            for r in ops.head(PROFILE_OPS_SHOWN).itertuples(index=False)]
+    parts.append(_wrap(_html_table(["operator", "calls A", "calls B", "self ms A", "self ms B", "Δ ms", "ratio B/A"],
+                                   rows, "profile-ops")))
     return parts
 
 

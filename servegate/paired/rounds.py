@@ -12,6 +12,15 @@ Tables (``servegate.tables``): ``paired`` (one row per metric: ratio, interval, 
 rounds and why the measurement stopped), ``paired_rounds`` (per round and metric: A's and B's
 values, the log ratio, and the interval as it stood after that round) and ``paired_workers`` (each
 worker instance launched: side, engine, model, python, extra args, launch and warm-up seconds).
+
+Profiles (``paired.profile``, with ``paired.confirm``): the confirmation's workers are launched with
+their engine's profiler on (:meth:`servegate.engines.base.Engine.with_profiler`, traces into
+``<run>/profiles/<side>/``); when the confirmation reproduces a regression, one more block of fresh
+prompts, the same for both sides, is sent to each between the engine's own start and stop profile
+routes. Both traces stay in the run folder; ``paired_profiles`` (one row per side: status, trace
+files, why not) and ``profile_ops`` (the operators whose self time changed most,
+:mod:`servegate.profiling`) are the tables. A profile that cannot be recorded is said so there and in
+``remarks``; it never changes a decision.
 """
 
 from __future__ import annotations
@@ -35,10 +44,10 @@ from servegate.compare import decide_change
 from servegate.config import PAIRED_METRICS, GateConfig, PairedConfig, ServingConfig, WorkerSpec
 from servegate.engine_install import resolve_engine_python
 from servegate.engines import get_engine
-from servegate.errors import ConfigError, StageError, WorkerDiedError, WorkerLaunchError
+from servegate.errors import ConfigError, ServegateError, StageError, WorkerDiedError, WorkerLaunchError
 from servegate.launch import EXIT_GRACE_S
 from servegate.paired.stats import Interval, ratio_interval
-from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
+from servegate.tables import PAIRED_COLUMNS, PAIRED_PROFILE_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
 
 if TYPE_CHECKING:  # pragma: no cover
     from servegate.launch import WorkerHandle
@@ -50,6 +59,14 @@ logger = logging.getLogger("servegate.paired")
 
 SIDES = ("baseline", "candidate")
 """A is the baseline, B the candidate; ratios are B/A."""
+
+PROFILE_DIR = "profiles"
+"""The run folder's subfolder of the profiler traces, one folder per side."""
+PROFILE_REQUEST_TIMEOUT_S = 300.0
+"""Longest wait for a start or stop profile answer (a stop writes the trace first)."""
+PROFILE_TRACE_WAIT_S = 60.0
+"""Longest wait, after the stop answered, for the trace files to appear and stop growing: an engine
+may write them after it answers (SGLang: "This will take some time")."""
 
 _UNITS = {"itl_median_ms": "ms", "tpot_median_ms": "ms", "ttft_median_ms": "ms", "e2e_median_ms": "ms",
           "output_throughput": "tok/s"}
@@ -92,6 +109,7 @@ class PairedMeasurement:
             raise ConfigError("the paired stage needs a baseline worker: set [baseline] in the gate config")
         self.config = config
         self.p = config.paired
+        self.run_dir = run_dir
         self.sides = {"baseline": _Side("baseline", config.baseline, run_dir / "baseline-worker.log"),
                       "candidate": _Side("candidate", config.worker, run_dir / "worker.log")}
         self.register = register
@@ -112,6 +130,10 @@ class PairedMeasurement:
         # fresh workers and fresh prompts, the gated metrics the first measurement found regressed.
         self.confirm_from: int | None = None
         self.first: dict[str, dict[str, Any]] = {}  # per re-measured metric: the first measurement's figures
+        # ``paired.profile``: the confirmation's workers run with their engine's profiler on.
+        self.profiling = False
+        self.remarks: list[str] = []
+        """What the stage should say besides its tables (a profile that could not be recorded)."""
 
     # -- workers ------------------------------------------------------------------------------
     def _launch(self, side: _Side) -> None:
@@ -121,9 +143,10 @@ class PairedMeasurement:
         from servegate.launch import launch_worker
 
         engine = get_engine(side.spec.engine)
+        spec = engine.with_profiler(side.spec, self.trace_dir(side.name)) if self.profiling else side.spec
         t0 = time.perf_counter()
         try:
-            side.handle = launch_worker(side.spec, side.log)
+            side.handle = launch_worker(spec, side.log)
         except WorkerLaunchError as exc:
             raise type(exc)(did_not_start(side.name) + str(exc)) from exc
         self.register(side.handle)
@@ -137,6 +160,7 @@ class PairedMeasurement:
         self.workers.append({
             "side": side.name, "instance": self.instance, "engine": side.spec.engine, "model": side.spec.model,
             "python": resolve_engine_python(side.spec.python) if side.spec.python else None,
+            # The build's own arguments: the profiler's (paired.profile) are the gate's instrument, not the build's.
             "extra_args": json.dumps(side.spec.extra_args),
             "cpus": json.dumps(side.spec.cpus), "pid": side.handle.pid, "launch_s": round(launched, 3),
             "warmup_s": round(warmed, 3)})
@@ -330,12 +354,111 @@ class PairedMeasurement:
                 self.confirm_from = len(self.rounds)
                 logger.info("paired: %s regressed after %d rounds; re-measuring with fresh workers to confirm",
                             ", ".join(regressed), self.confirm_from)
+                self.profiling = self.p.profile and self.profilable()
                 self._measure()
                 self.stopped_because = f"{first_stop}; re-measured to confirm: {self.stopped_because}"
+                if self.p.profile and any(self.decision(m)[1] == "regression" for m in regressed):
+                    self.profile()
             logger.info("paired: %s", self.stopped_because)
             self.publish()
         finally:
             self._stop_all()
+
+    # -- profiles of a confirmed regression -------------------------------------------------------
+    def profilable(self) -> bool:
+        """Both sides' engines have profiler endpoints the gate can drive."""
+        return all(get_engine(s.spec.engine).profiler_routes is not None for s in self.sides.values())
+
+    def trace_dir(self, side: str) -> Path:
+        """Where ``side``'s engine writes its profiler traces."""
+        return self.run_dir / PROFILE_DIR / side
+
+    def profile(self) -> None:
+        """One block of fresh prompts (the same for both sides) sent to each side between its engine's
+        start and stop profile routes; the tables ``paired_profiles`` and, when both traces were
+        recorded, ``profile_ops``. Never raises for a profile that could not be recorded: that is a
+        remark (and the row's ``reason``), not a measurement failure."""
+        from servegate.profiling import diff_operator_times, read_operator_times
+
+        round_index = len(self.rounds)  # a seed no measured round used
+        rows, traces = [], {}
+        for name in SIDES:
+            side = self.sides[name]
+            engine = get_engine(side.spec.engine)
+            row: dict[str, Any] = {"side": name, "engine": engine.name, "status": "failed", "traces": "[]",
+                                   "trace_bytes": 0, "requests": self.p.requests_per_block, "profile_s": math.nan,
+                                   "itl_median_ms": math.nan, "reason": ""}
+            if not self.profiling:
+                engines = sorted({s.spec.engine for s in self.sides.values()
+                                  if get_engine(s.spec.engine).profiler_routes is None})
+                row.update(status="not_applicable", reason=f"engine {', '.join(engines)} has no profiler endpoints "
+                                                           f"servegate can drive")
+            else:
+                try:
+                    found, row["profile_s"], row["itl_median_ms"] = self._profile_side(side, round_index)
+                    traces[name] = found
+                    row.update(status="recorded", trace_bytes=sum(p.stat().st_size for p in found),
+                               traces=json.dumps([str(p.relative_to(self.run_dir)) for p in found]))
+                except (ServegateError, OSError) as exc:
+                    row["reason"] = f"no profile of the {name} worker: {exc}"
+            rows.append(row)
+        if len(traces) == len(SIDES):
+            try:
+                self.tables["profile_ops"] = diff_operator_times(read_operator_times(traces["baseline"]),
+                                                                 read_operator_times(traces["candidate"]))
+            except StageError as exc:
+                for row in rows:
+                    row.update(status="failed", reason=f"the traces could not be compared: {exc}")
+        self.tables["paired_profiles"] = pd.DataFrame(rows, columns=PAIRED_PROFILE_COLUMNS)
+        for row in rows:
+            if row["status"] != "recorded":
+                self.remarks.append(f"profile {row['status'].replace('_', ' ')} ({row['side']}): {row['reason']}")
+                logger.warning("paired: %s", self.remarks[-1])
+
+    def _profile_side(self, side: _Side, round_index: int) -> tuple[list[Path], float, float]:
+        """Profile one block on ``side``: the new trace files, seconds from start to the traces on disk,
+        and the block's median ITL (against the rounds' medians: what the profiler cost)."""
+        from servegate.bench.flush import flush_until_idle
+        from servegate.bench.serving import run_serving
+        from servegate.http import make_session
+        from servegate.profiling import find_traces
+
+        assert side.handle is not None
+        engine = get_engine(side.spec.engine)
+        routes = engine.profiler_routes
+        assert routes is not None
+        api_key = side.spec.api_key_value()
+        base = side.handle.base_url
+        trace_dir = self.trace_dir(side.name)
+        before = set(find_traces(trace_dir)) if trace_dir.is_dir() else set()
+        flush_until_idle(base, engine, self.config.flush, api_key=api_key)
+        if self.settle_s:
+            time.sleep(self.settle_s)
+        t0 = time.perf_counter()
+        with make_session(api_key) as session:
+            self._profiler_call(session, base, routes.start)
+            try:
+                out = run_serving(base, engine, block_config(self.config, round_index), api_key=api_key,
+                                  tokenizer=side.tokenizer)
+            finally:
+                self._profiler_call(session, base, routes.stop)
+        found = _new_traces(trace_dir, before)
+        row = out.summary.iloc[0]
+        if int(row["failed"]) > 0:
+            raise StageError(f"{int(row['failed'])} of {self.p.requests_per_block} requests failed while profiling "
+                             f"(see {side.log})")
+        return found, round(time.perf_counter() - t0, 3), float(row[PAIRED_METRICS["itl_median_ms"][0]])
+
+    @staticmethod
+    def _profiler_call(session: Any, base_url: str, path: str) -> None:
+        from servegate.http import body_excerpt, join_url, request_within
+
+        url = join_url(base_url, path)
+        response = request_within(session, "POST", url, limit_s=PROFILE_REQUEST_TIMEOUT_S,
+                                  what=f"profiler (POST {url})", setting=None)
+        if response.status_code != 200:
+            raise StageError(f"POST {url} answered {response.status_code}: {body_excerpt(response)!r}; is the "
+                             f"engine's profiler enabled (see the worker log)?")
 
     def _measure(self) -> None:
         """One measurement: fresh instances of both workers, rounds until :func:`stop_reason` says
@@ -365,6 +488,27 @@ class PairedMeasurement:
         recent = [r["block_s"] for r in self.rounds[-4:]]
         block = statistics.median(recent) if recent else 0.0
         return block + (statistics.median(self.restart_s) if restart and self.restart_s else 0.0)
+
+
+def _new_traces(trace_dir: Path, before: set[Path]) -> list[Path]:
+    """The trace files in ``trace_dir`` not in ``before``, once they stop growing (within
+    :data:`PROFILE_TRACE_WAIT_S`); ``StageError`` when none appeared."""
+    from servegate.profiling import find_traces
+
+    deadline = time.monotonic() + PROFILE_TRACE_WAIT_S
+    sizes: dict[Path, int] = {}
+    while True:
+        found = [p for p in (find_traces(trace_dir) if trace_dir.is_dir() else []) if p not in before]
+        now = {p: p.stat().st_size for p in found}
+        if found and now == sizes:
+            return found
+        if time.monotonic() >= deadline:
+            if found:
+                return found
+            raise StageError(f"the engine wrote no profiler trace into {trace_dir} within {PROFILE_TRACE_WAIT_S:g} s "
+                             f"of the stop; check its log for the profiler's errors")
+        sizes = now
+        time.sleep(0.5)
 
 
 def decide_metric(log_ratios: Sequence[float], direction: str, p: PairedConfig,

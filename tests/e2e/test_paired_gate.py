@@ -149,4 +149,43 @@ def test_a_regression_the_re_measurement_does_not_reproduce_is_unconfirmed_and_p
     assert set(itl_rounds["instance"]) == {0, 1} and marker.is_file()
     workers = pd.read_parquet(run_dir / "paired_workers.parquet")
     assert len(workers) == 4  # two instances of each side
+    # paired.profile (on by default) profiles only a confirmed regression: no trace, no profile tables.
+    assert not list((run_dir / "profiles").rglob("*.trace.json*"))
+    assert not (run_dir / "paired_profiles.parquet").exists() and not (run_dir / "profile_ops.parquet").exists()
+    assert not worker_processes(tmp_path)
+
+
+# Each MLP activation computed K times (the same result): one real operator slower. Measured on the
+# tiny random model (2 layers, 1 torch thread, load 4-8 on 2 cores): ITL x1.6-3 at K = 1000 in-process.
+SLOW_ACTIVATION_FACTOR = 1000
+
+
+def test_a_confirmed_regression_is_profiled_and_the_slowed_operator_tops_the_operator_diff(tmp_path: Path):
+    proc, verdict = _run(tmp_path, "--set", "worker.model=tiny-random", "--set", "baseline.model=tiny-random",
+                         "--set", f'worker.extra_args=["--fault-slow-activation-factor","{SLOW_ACTIVATION_FACTOR}"]',
+                         "--set", "paired.bound=0.3", "--set", "paired.min_rounds=4", "--set", "paired.min_units=4",
+                         "--set", "paired.rounds_per_worker=200", "--set", "paired.max_measure_s=120",
+                         "--set", "host.enabled=false")
+    run_dir = Path(verdict["run_dir"])
+    paired = pd.read_parquet(run_dir / "paired.parquet").set_index("metric")
+    assert proc.returncode == 1, f"{verdict}\n{paired.to_string()}\n{proc.stderr[-3000:]}"
+    assert paired.loc["itl_median_ms", "reason"].startswith("confirmed: ")
+
+    profiles = pd.read_parquet(run_dir / "paired_profiles.parquet").set_index("side")
+    assert list(profiles["status"]) == ["recorded", "recorded"], profiles.to_string()
+    traces = {side: [run_dir / t for t in json.loads(profiles.loc[side, "traces"])] for side in profiles.index}
+    for side, files in traces.items():
+        assert len(files) == 1 and files[0].parent == run_dir / "profiles" / side and files[0].stat().st_size > 0
+
+    ops = pd.read_parquet(run_dir / "profile_ops.parquet")
+    top = ops.iloc[0]
+    assert top["op"] == "aten::silu", ops.head(5).to_string()
+    # The same block of requests on both sides: about K times the calls (the batches may differ by a
+    # prefill pass), far more time.
+    assert 0.8 * SLOW_ACTIVATION_FACTOR < top["calls_b"] / top["calls_a"] < 1.2 * SLOW_ACTIVATION_FACTOR
+    assert top["ratio"] > 10
+
+    report = (run_dir / "report.html").read_text()
+    assert "Operators whose time changed most" in report and "<td>aten::silu</td>" in report
+    assert all(str(f.relative_to(run_dir)) in report for files in traces.values() for f in files)
     assert not worker_processes(tmp_path)
