@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from servegate.launch import WorkerHandle
     from servegate.results import RunFolder
 
-__all__ = ["DEVICE_SLOT_ENV", "GateRun", "call_flow", "device_slot_limit", "hold_device_slot", "resolve_config",
-           "start_worker_early"]
+__all__ = ["DEVICE_SLOT_ENV", "GateRun", "call_flow", "check_suites", "device_slot_limit", "hold_device_slot",
+           "prefect_api_starting", "resolve_config", "start_worker_early"]
 
 logger = logging.getLogger("servegate.runstate")
 
@@ -58,10 +58,10 @@ def call_flow(flow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     try:
         return flow(*args, **kwargs)
     except RuntimeError as exc:
-        if "Prefect" not in str(exc):
+        mapped = _prefect_start_error(exc)
+        if mapped is exc:
             raise
-        raise InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`, or raise "
-                         f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a loaded machine.") from exc
+        raise mapped from exc
 
 
 def start_worker_early(config: GateConfig) -> bool:
@@ -95,6 +95,65 @@ def _measures_gate_worker(config: GateConfig, stages: "list[str] | tuple[str, ..
         if stage.flushed and getattr(section, "enabled", True):
             return True
     return False
+
+
+def check_suites(config: GateConfig) -> None:
+    """Load the config's expectation suites with GX (``servegate.validate.load_suites``): a suite that
+    cannot run, or a paired gate without a suite on its table, is a ConfigError before anything is
+    measured. The first call in a process imports GX (~5 s on 2 busy cores); later ones take ms."""
+    from servegate.validate import load_suites
+
+    suites = load_suites(config.validate_.expectation_profile,
+                         Path(config.validate_.expectations_dir) if config.validate_.expectations_dir else None)
+    if config.is_paired and "paired" not in suites:
+        # Without a suite on its table, the paired stage's decisions would never reach the verdict.
+        raise ConfigError(f"the gate pairs its worker with a baseline, but the suites "
+                          f"{config.validate_.expectation_profile!r} have none for the 'paired' table, so no "
+                          f"paired decision could fail or pass the gate; use a paired profile's suites (e.g. "
+                          f"validate.expectation_profile=smoke-ab) or add a 'paired' suite "
+                          f"(expectations/smoke-ab.json shows one), or set paired.enabled=false")
+
+
+@contextlib.contextmanager
+def prefect_api_starting() -> Iterator[None]:
+    """Start Prefect's temporary API server — when no ``PREFECT_API_URL`` names a running one — in a
+    thread while the body runs, and wait for it at the end; the flow then finds it up.
+
+    Prefect starts that server (its own process, 8-14 s on 2 busy cores) only when the flow is
+    called; what a command does before its flow (GX, ``check_suites``) runs meanwhile instead of
+    before it. A server that fails to start is an ``InfraError``, as in :func:`call_flow`.
+    """
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():  # as Prefect's get_client
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer  # here: a thread should import nothing
+
+    exit_on_sigterm()  # as call_flow: the server is this command's child, and must not outlive it
+    guard_process_tree()
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()  # the instance Prefect's client uses (one per port, None: any)
+        except BaseException as exc:  # raised again in the command's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=start, name="servegate-prefect-api", daemon=True)
+    thread.start()
+    yield
+    while thread.is_alive():
+        thread.join(0.2)  # short joins: a signal handler (Ctrl-C, SIGTERM) runs in between
+    if failed:
+        raise _prefect_start_error(failed[0])
+
+
+def _prefect_start_error(exc: BaseException) -> BaseException:
+    if not isinstance(exc, RuntimeError) or "Prefect" not in str(exc):
+        return exc
+    return InfraError(f"{exc} Set PREFECT_API_URL to a running `prefect server start`, or raise "
+                      f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a loaded machine.")
 
 
 def device_slot_limit() -> str | None:
@@ -166,19 +225,10 @@ class GateRun:
         """Check the suites, hold the device slot, make the run folder (under ``parent``, default
         ``config.output_dir``) with its config and ``documents`` (name -> JSON, e.g. ``rerun``)."""
         from servegate.results import RunFolder
-        from servegate.validate import load_suites
 
         # A suite that cannot run (a typo in a type or a column) is found now, not after the
         # measurements: nothing is launched and no run folder is made.
-        suites = load_suites(config.validate_.expectation_profile,
-                             Path(config.validate_.expectations_dir) if config.validate_.expectations_dir else None)
-        if config.is_paired and "paired" not in suites:
-            # Without a suite on its table, the paired stage's decisions would never reach the verdict.
-            raise ConfigError(f"the gate pairs its worker with a baseline, but the suites "
-                              f"{config.validate_.expectation_profile!r} have none for the 'paired' table, so no "
-                              f"paired decision could fail or pass the gate; use a paired profile's suites (e.g. "
-                              f"validate.expectation_profile=smoke-ab) or add a 'paired' suite "
-                              f"(expectations/smoke-ab.json shows one), or set paired.enabled=false")
+        check_suites(config)
         held = hold_device_slot()  # before the folder: a run's start is when the device became ours
         try:
             folder = RunFolder.create(parent or Path(config.output_dir), config.name)

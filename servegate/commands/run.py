@@ -46,15 +46,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # Prefect and the flow only once the config is known to be good: a bad --set fails at once. The
     # worker's process starts first: its model load overlaps Prefect's start and the flow's set-up,
-    # and the launch stage adopts it (a process nothing adopted is stopped below).
+    # and the launch stage adopts it (a process nothing adopted is stopped below). GX loads the
+    # suites while Prefect's API server starts (the flow's own check of them then takes ms).
     from servegate.launch import discard_early
-    from servegate.runstate import call_flow, start_worker_early
+    from servegate.runstate import call_flow, check_suites, prefect_api_starting, start_worker_early
 
     try:
         start_worker_early(config)
         from servegate import console
         from servegate.flows.gate import regression_gate
 
+        with prefect_api_starting():
+            check_suites(config)
         console.install()
         try:
             result = call_flow(regression_gate, config)
