@@ -7,8 +7,10 @@ with ``started_at``/``duration_s``) and splits the wall time into:
 
 - start-up before the flow: interpreter, imports, Prefect's ephemeral API server, config
   (process start -> ``manifest.started_at``);
-- each stage's own duration (launch includes the model load; validate includes Great
-  Expectations; flush/warmup are preparation, not measurement);
+- each stage's own duration (launch: what is left of the worker's start-up when the flow gets
+  there — ``servegate run`` starts the worker's process before Prefect and the flow are up, so
+  the model load overlaps them; validate includes Great Expectations; flush/warmup are
+  preparation, not measurement);
 - orchestration: time inside the flow not covered by any stage record (Prefect task runs,
   state updates, artifacts);
 - tear-down after the flow: report, Prefect shut-down, interpreter exit
@@ -79,7 +81,18 @@ def run_gate(profile: str, overrides: list[str], output_dir: Path, timeout_s: fl
         raise SystemExit(f"the gate wrote no run folder (exit {proc.returncode}):\n{stderr[-3000:]}")
     manifest = json.loads((folders[-1] / "manifest.json").read_text())
     return {"cmd": cmd, "exit_code": proc.returncode, "wall_s": wall, "wall_start": wall_start,
-            "manifest": manifest, "run_dir": str(folders[-1])}
+            "manifest": manifest, "run_dir": str(folders[-1]), "worker_startup_s": _worker_startup_s(folders[-1])}
+
+
+def _worker_startup_s(run_dir: Path) -> float | None:
+    """The worker table's ``startup_s`` (process start -> ready), None without one."""
+    import csv
+
+    try:
+        with open(run_dir / "worker.csv", newline="") as fh:
+            return float(next(csv.DictReader(fh))["startup_s"])
+    except (OSError, StopIteration, KeyError, ValueError):
+        return None
 
 
 def _end_tree(pid: int) -> None:
@@ -94,7 +107,7 @@ def from_run_dir(run_dir: Path) -> dict[str, Any]:
     start = _ts(manifest["started_at"])
     end = _ts(manifest.get("finished_at")) or (run_dir / "manifest.json").stat().st_mtime
     return {"cmd": ["(run folder)", str(run_dir)], "exit_code": None, "wall_s": end - start, "wall_start": start,
-            "manifest": manifest, "run_dir": str(run_dir)}
+            "manifest": manifest, "run_dir": str(run_dir), "worker_startup_s": _worker_startup_s(run_dir)}
 
 
 def breakdown(result: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +141,7 @@ def breakdown(result: dict[str, Any]) -> dict[str, Any]:
         "non_measurement_share": 1.0 - measured / wall,
         "fixed_startup_s": fixed,
         "startup_from_stamp": bool(firsts),
+        "worker_startup_s": result.get("worker_startup_s"),
     }
 
 
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, secs in rows:
         print(f"{label:34s} {secs:8.2f} s  {secs / w * 100:5.1f} %")
     print(f"{'measurement (' + '+'.join(MEASUREMENT_STAGES) + ')':34s} {b['measurement_s']:8.2f} s")
+    if b["worker_startup_s"] is not None:
+        print(f"{'worker start-up (startup_s)':34s} {b['worker_startup_s']:8.2f} s  (process start -> ready; "
+              f"overlaps the start-up before the flow)")
     if not b["startup_from_stamp"]:
         print("(the run folder's stage records carry no started_at: start-up is the stages before the first "
               "measurement added up, without the gaps between them)")
