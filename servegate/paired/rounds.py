@@ -218,9 +218,11 @@ class PairedMeasurement:
                           tokenizer=side.tokenizer)
         row = out.summary.iloc[0]
         if int(row["failed"]) > 0:
+            failed = out.requests[~out.requests["success"]]
+            first = f"{failed['error_kind'].iloc[0]}: {failed['error'].iloc[0]}" if len(failed) else "?"
             raise StageError(f"{int(row['failed'])} of {self.p.requests_per_block} requests to the {side.name} "
-                             f"worker failed in round {round_index + 1}; a round with failed requests is not a "
-                             f"measurement (serving errors: see {side.log})")
+                             f"worker failed in round {round_index + 1} (first: {first}); a round with failed "
+                             f"requests is not a measurement (the worker's side: {side.log})")
         return {metric: float(row[column]) for metric, (column, _) in PAIRED_METRICS.items()}
 
     def measure_round(self) -> None:

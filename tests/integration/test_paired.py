@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from servegate.config import load_config
-from servegate.errors import WorkerDiedError
+from servegate.errors import StageError, WorkerDiedError
 from servegate.launch import launch_worker
 from servegate.paired.rounds import PairedMeasurement
 from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
@@ -146,6 +146,22 @@ def test_a_worker_that_dies_fails_the_measurement_and_leaves_nothing(tmp_path: P
     assert not any(h.is_alive() for h in launched)
     # What was measured before the crash is kept (the stage writes it as .partial).
     assert "paired_workers" in tables
+
+
+def test_a_round_with_a_failed_request_fails_the_measurement_and_says_why(tmp_path: Path):
+    launched: list = []
+    tables: dict = {}
+    # The candidate answers half its requests with HTTP 500, from a seeded draw (SERVEGATE_FAULT_SEED 0:
+    # 0.84 for the one warm-up request, then 0.76, 0.42, 0.26, 0.51 for round 1's four): round 1 fails, and
+    # the error carries the first failed request's own error, since a client-side check can fail a
+    # request that the worker's log shows answered 200 (a token count that contradicts itself).
+    m = PairedMeasurement(_config('worker.extra_args=["--fault-error-rate","0.5"]', "paired.max_measure_s=120"),
+                          tmp_path, register=launched.append, tables=tables)
+    with pytest.raises(StageError) as info:
+        m.run()
+    message = str(info.value)
+    assert "of 4 requests to the candidate worker failed in round 1 (first: http: HTTP 500: " in message, message
+    assert not any(h.is_alive() for h in launched)
 
 
 def test_worker_cpus_pin_the_whole_tree_before_exec(tmp_path: Path):
