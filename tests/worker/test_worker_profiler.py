@@ -54,28 +54,18 @@ def test_without_profiler_dir_the_routes_answer_404_as_vllm_without_a_profiler(s
         assert response.status_code == 404 and "--profiler-dir" in response.text
 
 
-def test_the_slow_activation_fault_computes_silu_k_times_with_the_same_tokens(start_worker, tmp_path):
-    k = 20
-    plain = start_worker([], wait=False)
-    slowed = start_worker(["--profiler-dir", str(tmp_path), "--fault-slow-activation-factor", str(k)], wait=False)
-    plain.wait_ready()
-    slowed.wait_ready()
+def test_the_slow_activation_fault_computes_silu_k_times_with_the_same_tokens_in_the_first_launch_only(
+        start_worker, tmp_path):
+    k = 7
+    args = ["--profiler-dir", str(tmp_path / "traces"), "--fault-slow-activation-factor", str(k),
+            "--fault-only-first-launch", str(tmp_path / "first")]
+    slowed = start_worker(args)  # the first launch: the fault is on
+    plain = start_worker(args)  # a later launch (--fault-only-first-launch): no fault
     prompt = "Once upon a time"
-    answer, trace = _profile_one_request(slowed.url, prompt)
-    expected = generate(plain.url, {"text": prompt, "sampling_params": GREEDY}).json()
-    assert answer["output_ids"] == expected["output_ids"]  # the same result: only slower
-    ops = read_operator_times([Path(trace)]).set_index("op")
-    assert ops.loc["aten::silu", "calls"] == k * LAYERS * 16
-    assert "fault injection" in slowed.log_text() and "computed 20 times" in slowed.log_text()
-
-
-def test_the_slow_activation_fault_honours_only_first_launch(start_worker, tmp_path):
-    marker = tmp_path / "first"
-    args = ["--profiler-dir", str(tmp_path / "traces"), "--fault-slow-activation-factor", "7",
-            "--fault-only-first-launch", str(marker)]
-    first = start_worker(args)
-    second = start_worker(args)
-    _, first_trace = _profile_one_request(first.url, "Hello")
-    _, second_trace = _profile_one_request(second.url, "Hello")
-    assert read_operator_times([Path(first_trace)]).set_index("op").loc["aten::silu", "calls"] == 7 * LAYERS * 16
-    assert read_operator_times([Path(second_trace)]).set_index("op").loc["aten::silu", "calls"] == LAYERS * 16
+    slowed_answer, slowed_trace = _profile_one_request(slowed.url, prompt)
+    plain_answer, plain_trace = _profile_one_request(plain.url, prompt)
+    assert slowed_answer["output_ids"] == plain_answer["output_ids"]  # the same result: only slower
+    assert read_operator_times([Path(slowed_trace)]).set_index("op").loc["aten::silu", "calls"] == k * LAYERS * 16
+    assert read_operator_times([Path(plain_trace)]).set_index("op").loc["aten::silu", "calls"] == LAYERS * 16
+    assert f"MLP activations computed {k} times per call" in slowed.log_text()
+    assert "fault injection" not in plain.log_text()
