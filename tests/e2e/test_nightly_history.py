@@ -66,7 +66,10 @@ FAST = [
 # that the fault moves ITL by 0.6-1.1x its percentage. Even with a between-run sd of 0.3 in log
 # (more than the worst cold-start pair seen) the interval's low end stays near 1.6, far beyond 1.3.
 SLOWDOWN_PCT = 400
-SLOWDOWN = ["--set", f'worker.extra_args=["--fault-decode-slowdown-pct","{SLOWDOWN_PCT}"]']
+# The slow nights skip the occupancy stage: 96 tokens decoded 5x slower took ~40 s of the ~110 s such a
+# night costs, and what they check is the serving stage's decode metrics against the history.
+SLOWDOWN = ["--set", f'worker.extra_args=["--fault-decode-slowdown-pct","{SLOWDOWN_PCT}"]',
+            "--set", "occupancy.enabled=false"]
 DECODE_METRICS = ("serving.itl_ms.median", "serving.tpot_ms.median")
 # Compared and shown, never gated (issue 19): what the worker cost.
 REPORT_ONLY = ("worker.startup_s.median", "worker.peak_rss_mib.median", "cost.cost_per_mtok_output.median")
@@ -152,7 +155,10 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_slow
     gated2 = cmp2[cmp2["gated"]]
     assert set(DECODE_METRICS) <= set(gated2["metric"]), _shown(cmp2)
     assert (gated2["n_baseline_runs"] == 1).all(), _shown(cmp2)
-    assert not gated2["decision"].isin(["regression", "insufficient_data"]).any(), _shown(cmp2)
+    # A suspicious row here would be the unchanged worker beyond the bound (a machine too busy to measure
+    # it: the false alarm the history rule keeps from failing a night), and it would make night 3 the
+    # second night in a row.
+    assert not gated2["decision"].isin(["regression", "suspicious", "insufficient_data"]).any(), _shown(cmp2)
     assert verdict2["breaches"] == [], verdict2
     if gated2["decision"].eq("inconclusive").any():
         assert verdict2["status"] == "inconclusive" and verdict2["baseline_eligible"] is False, verdict2
