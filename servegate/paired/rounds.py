@@ -447,8 +447,10 @@ class PairedMeasurement:
         found = _new_traces(trace_dir, before)
         row = out.summary.iloc[0]
         if int(row["failed"]) > 0:
+            failed = out.requests[~out.requests["success"]]
+            first = f"{failed['error_kind'].iloc[0]}: {failed['error'].iloc[0]}" if len(failed) else "?"
             raise StageError(f"{int(row['failed'])} of {self.p.requests_per_block} requests failed while profiling "
-                             f"(see {side.log})")
+                             f"(first: {first}; the worker's side: {side.log})")
         return found, round(time.perf_counter() - t0, 3), float(row[PAIRED_METRICS["itl_median_ms"][0]])
 
     @staticmethod
