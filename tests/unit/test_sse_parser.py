@@ -385,6 +385,15 @@ def test_token_stream_count_error_per_protocol() -> None:
         contradicts.feed(_openai("t", None, (5, i)), float(i))
     contradicts.feed(_openai("", None, (5, 40), choices=False), 4.0)
     assert "final usage says 40 completion tokens but its per-chunk usage reached 3" in contradicts.count_error(64)
+    # vLLM with continuous usage: the last token decodes to nothing (a character's bytes held back), so
+    # its finish chunk has empty text but per-chunk usage one higher; then the usage chunk agrees.
+    empty_last = OPENAI.token_stream()
+    for i in range(1, 4):
+        empty_last.feed(_openai("t", None, (5, i)), float(i))
+    empty_last.feed(_openai("", "length", (5, 4)), 4.0)
+    empty_last.feed(_openai("", None, (5, 4), choices=False), 4.5)
+    assert empty_last.count_error(4) is None
+    assert empty_last.counts == [1, 2, 3, 4] and empty_last.times == [1.0, 2.0, 3.0, 4.0]
     grouped = OPENAI.token_stream()  # no per-chunk usage: chunks may group tokens, the total decides
     grouped.feed(_openai("tt", None, None), 1.0)
     grouped.feed(_openai("", None, (5, 4), choices=False), 2.0)

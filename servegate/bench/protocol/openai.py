@@ -201,7 +201,11 @@ class OpenAITokenStream(TokenStream):
             if choices and len(choices) == 1:
                 ch = choices[0]
                 finished = ch.get("finish_reason") is not None
-                has_token = ch.get("text") or not finished
+                # A finish chunk carries the last token when it has text, token ids, or a per-chunk usage
+                # beyond the count so far in a stream that sends one (vLLM's continuous_usage_stats): the
+                # last token's text may be empty (bytes of a character held back by the detokenizer).
+                has_token = (ch.get("text") or ch.get("token_ids") or not finished
+                             or (self.chunk_usage and completion is not None and completion > count))
             else:
                 has_token = bool(openai_events(data))
         except orjson.JSONDecodeError:
