@@ -294,6 +294,7 @@ def _paired(run: RunContext, result: StageResult) -> None:
 
     measured = run_paired(run.config, run.path, result.tables, register=run.adopt_worker)
     result.notes["stopped_because"] = measured.stopped_because
+    result.remarks.extend(measured.remarks)  # e.g. a profile that could not be recorded, and why
 
 
 def _flush(run: RunContext, result: StageResult) -> None:
