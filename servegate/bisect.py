@@ -162,6 +162,9 @@ def step_config(config: GateConfig, good: WorkerSpec, candidate: WorkerSpec) -> 
     profile's paired settings, recorded under the gate name ``<name>-bisect``."""
     data = config.model_dump()
     data.update(name=f"{config.name}-bisect", worker=candidate.model_dump(), baseline=good.model_dump())
+    # A step is decided by its own paired measurement: the history rule (compare.consecutive) would make
+    # a step whose comparison regressed "suspicious", i.e. undecided, for want of earlier bisect steps.
+    data["compare"] = {**data["compare"], "consecutive": 1}
     try:
         return GateConfig.model_validate(data)
     except ValidationError as exc:

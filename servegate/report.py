@@ -171,8 +171,8 @@ def _comparison_table(comparison: pd.DataFrame | None) -> str:
 
 
 def _mark_decisions(table: str) -> str:
-    # Colour regressions without scripts: mark their decision cells.
-    for decision, css in (("regression", "bad"), ("improvement", "good")):
+    # Colour regressions without scripts: mark their decision cells (a suspicious one: not yet called).
+    for decision, css in (("regression", "bad"), ("suspicious", "warn"), ("improvement", "good")):
         table = table.replace(f"<td>{decision}</td>", f'<td class="{css}">{decision}</td>')
     return table
 
@@ -304,7 +304,7 @@ h3.stage{font-size:1rem;margin:1rem 0 .2rem;text-transform:none;color:#57606a}
 div.scroll{max-width:100%;overflow-x:auto}
 table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0;overflow-wrap:normal}
 td,th{border:1px solid #d0d7de;padding:.2rem .5rem}
-th{background:#f6f8fa} td.bad{color:#cf222e;font-weight:600} td.good{color:#1a7f37}
+th{background:#f6f8fa} td.bad{color:#cf222e;font-weight:600} td.good{color:#1a7f37} td.warn{color:#9a6700;font-weight:600}
 p.note{font-size:.85rem;color:#57606a;margin:.2rem 0}
 figure.plot{display:inline-block;margin:.5rem;vertical-align:top;max-width:100%}
 figure svg,img{max-width:100%;height:auto}

@@ -33,6 +33,14 @@ def verdict(run: GateRun, results: list[StageResult], validation: StageResult,
         result = result.model_copy(update={"reason": f"{result.reason}; unconfirmed regression of "
                                                      f"{', '.join(unconfirmed)}: the re-measurement with fresh "
                                                      f"workers excluded it (paired table)"})
+    comparison = next((r.tables["comparison"] for r in results if "comparison" in r.tables), None)
+    suspicious = ([] if comparison is None else
+                  [f"{m}{f' [{c}]' if isinstance(c, str) and c else ''}"
+                   for m, c in comparison.loc[comparison["decision"] == "suspicious", ["metric", "case"]].itertuples(
+                       index=False)])
+    if suspicious:  # which metrics the history rule holds back (compare.consecutive); the status says undecided
+        result = result.model_copy(update={"reason": f"{result.reason}; suspicious: {', '.join(suspicious)} "
+                                                     f"(comparison table: the reason of each row)"})
     run.folder.write_json("verdict", result.model_dump(mode="json"))
     run.folder.finish()
     publish(run.config.name, "verdict", verdict_markdown(result, rows), description=f"gate verdict: {result.status}")

@@ -185,6 +185,7 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_slow
     assert not cmp3["decision"].eq("regression").any(), _shown(cmp3)
     suspicious = cmp3[cmp3["metric"].isin(DECODE_METRICS) & (cmp3["decision"] == "suspicious")]
     assert not suspicious.empty, _shown(cmp3)
+    assert all(metric in verdict3["reason"] for metric in suspicious["metric"]), verdict3["reason"]  # named
     for row in suspicious.itertuples(index=False):
         assert row.ratio > 2 and row.ci_low > 1 + BOUND, _shown(cmp3)
         assert row.reason.startswith(f"regression in 1 of the last 2 run(s) (compare.consecutive = 2; the streak "

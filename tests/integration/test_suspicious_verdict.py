@@ -87,3 +87,11 @@ def test_the_alert_names_the_suspicious_metric_with_the_rule_s_reason(tmp_path) 
     assert "- `serving.itl_ms.median`: ×1.6000 [1.4000, 1.8000] vs baseline runs, bound 5.0%: regression in 1 of " \
            "the last 2 run(s)" in body, body
     assert "Top regressed metrics" not in body and "- suspicious: comparison.decision" in body, body
+
+
+def test_the_html_report_marks_a_suspicious_decision_apart_from_a_regression():
+    from servegate.report import _mark_decisions
+
+    marked = _mark_decisions("<tr><td>suspicious</td><td>regression</td><td>no_change</td></tr>")
+    assert '<td class="warn">suspicious</td>' in marked and '<td class="bad">regression</td>' in marked
+    assert "<td>no_change</td>" in marked

@@ -84,6 +84,9 @@ def test_a_step_config_measures_the_candidate_against_the_good_build():
     step = step_config(config, good, bad)
     assert step.name == "smoke-ab-bisect" and step.baseline == good and step.worker.extra_args == ["--slow"]
     assert step.paired == config.paired
+    # A step is decided by its own measurement, never left "suspicious" by the history rule.
+    nightly = load_config(profile="smoke-ab", overrides=["compare.consecutive=3"])
+    assert step_config(nightly, good, bad).compare.consecutive == 1 and nightly.compare.consecutive == 3
 
 
 class StandIn:
