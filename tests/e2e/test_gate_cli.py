@@ -199,8 +199,13 @@ def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: P
                     stages = json.loads(path.read_text())
                 except (OSError, ValueError):  # being rewritten this instant
                     pass
-            workers = [p for p in psutil.Process(gate.pid).children(recursive=True)
-                       if "worker" in (p.cmdline() or [])]
+            workers = []
+            for p in psutil.Process(gate.pid).children(recursive=True):
+                try:
+                    if "worker" in (p.cmdline() or []):
+                        workers.append(p)
+                except psutil.Error:  # exiting this instant (a zombie's cmdline cannot be read)
+                    continue
             if stages.get("flush:serving", {}).get("status") == "ok" and "serving" not in stages and workers:
                 time.sleep(2.0)
                 killed = workers[0]
