@@ -31,6 +31,7 @@ from servegate.history import GateKey, RunRecord, Store
 
 __all__ = [
     "BaselinePolicy",
+    "run_group_ids",
     "Baseline",
     "resolve_baseline",
     "active_pin",
@@ -110,6 +111,18 @@ def pin_in_force(actions: list[dict[str, Any]]) -> dict[str, Any] | None:
     return current
 
 
+def run_group_ids(store: Store, run_id: str | None) -> set[str]:
+    """The ids of every attempt of ``run_id``'s run group (its root's included): the runs a judgement of
+    ``run_id`` leaves out. Only ``run_id`` itself when it is not recorded yet; empty for None."""
+    if run_id is None:
+        return set()
+    try:
+        attempts = store.attempts(run_id)
+    except ConfigError:
+        return {run_id}  # not recorded yet: only its own id to leave out
+    return {r.run_id for r in attempts} | {r.root_id for r in attempts}
+
+
 def resolve_baseline(store: Store, key: GateKey, policy: BaselinePolicy | None = None, *,
                      exclude_run: str | None = None, now: datetime | None = None) -> Baseline:
     """The baseline runs of ``key`` under ``policy`` (an active pin wins over last_n and window).
@@ -118,12 +131,7 @@ def resolve_baseline(store: Store, key: GateKey, policy: BaselinePolicy | None =
     """
     policy = policy or BaselinePolicy()
     now = now or datetime.now(timezone.utc)
-    excluded: set[str] = set()
-    if exclude_run is not None:
-        try:
-            excluded = {r.run_id for r in store.attempts(exclude_run)}
-        except ConfigError:
-            excluded = {exclude_run}  # not recorded yet: only its own id to leave out
+    excluded = run_group_ids(store, exclude_run)
     change = last_distribution_change(store, key)
     pinned = active_pin(store, key)
     pin_id = policy.run_id if policy.kind == "pinned" and policy.run_id else (pinned or {}).get("run_id")

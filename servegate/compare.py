@@ -85,7 +85,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from servegate.baseline import Baseline, BaselinePolicy, last_distribution_change, resolve_baseline
+from servegate.baseline import Baseline, BaselinePolicy, last_distribution_change, resolve_baseline, run_group_ids
 from servegate.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_N_BOOT, Samples, between_run_sd, ratio_ci_median,
                                  ratio_ci_quantile, ratio_ci_quantile_clustered)
 from servegate.errors import ConfigError
@@ -344,12 +344,7 @@ def _earlier_runs(store: Store, key: GateKey, exclude_run: str | None,
                   started_before: datetime | None) -> list[RunRecord]:
     """The history rule's candidates, newest first: one record per run group (its latest attempt),
     the judged run's group left out, after the key's last distribution change."""
-    excluded: set[str] = set()
-    if exclude_run is not None:
-        try:
-            excluded = {r.root_id for r in store.attempts(exclude_run)}
-        except ConfigError:
-            excluded = {exclude_run}  # not recorded yet: only its own id to leave out
+    excluded = run_group_ids(store, exclude_run)
     change = last_distribution_change(store, key)
     return [r for r in store.runs(key, include_attempts=False)
             if r.root_id not in excluded and r.run_id not in excluded
