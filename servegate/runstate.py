@@ -82,7 +82,16 @@ def start_worker_early(config: GateConfig) -> bool:
     if not _measures_gate_worker(config, MEASUREMENT_STAGES):
         return False
     log_path = Path(config.output_dir) / f".worker-{os.getpid()}.log"
-    return start_early(config.worker, log_path) is not None
+    try:
+        return start_early(config.worker, log_path) is not None
+    except (OSError, ServegateError) as exc:
+        # Only a head start: an output folder that cannot take the log (full disk, read-only), or a launch
+        # that cannot be made (an engine not installed, a model not cached), is the gate's own error to
+        # report where it always was (the run folder, the launch stage), with its advice; nothing is left here.
+        with contextlib.suppress(OSError):
+            log_path.unlink(missing_ok=True)
+        logger.info("the worker's process was not started early (%s); the launch stage starts it", exc)
+        return False
 
 
 def _measures_gate_worker(config: GateConfig, stages: "list[str] | tuple[str, ...]") -> bool:

