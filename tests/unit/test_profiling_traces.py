@@ -43,11 +43,16 @@ def test_self_times_of_a_real_trace_split_nested_operators_without_double_counti
     # Self times add up to the time of the outermost operators, lane by lane: nothing counted twice.
     ops_events = [e for e in events if e.get("ph") == "X" and e.get("cat") != "Trace"]
     roots = 0.0
-    for e in ops_events:
-        inside = any(o is not e and o["pid"] == e["pid"] and o["tid"] == e["tid"] and o["ts"] <= e["ts"]
-                     and e["ts"] + e["dur"] <= o["ts"] + o["dur"] and o["dur"] > e["dur"] for o in ops_events)
+    for i, e in enumerate(ops_events):
+        # inside another event of its lane; of two with the same start and duration, the first is the parent
+        inside = any(j != i and o["pid"] == e["pid"] and o["tid"] == e["tid"] and o["ts"] <= e["ts"]
+                     and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
+                     and (o["dur"] > e["dur"] or o["ts"] < e["ts"] or j < i) for j, o in enumerate(ops_events))
         roots += 0.0 if inside else e["dur"]
-    assert ops["self_ms"].sum() == pytest.approx(roots / 1000, rel=1e-6)
+    # Up to the trace's rounding: a child whose end, rounded to the nanosecond, overruns its parent's by
+    # ~1 ns keeps its own duration while the parent is charged only to its end (CI saw 3 ns over ~100
+    # events); 0.2 us in all is far below any operator's own duration counted twice.
+    assert ops["self_ms"].sum() == pytest.approx(roots / 1000, abs=2e-4)
     assert "PyTorch Profiler (0)" not in ops.index  # the session span is no operator
 
 
