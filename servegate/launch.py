@@ -459,14 +459,19 @@ class _ReadyWatch:
             raise self._error
 
 
+def _launch_environ(spec: WorkerSpec, engine: Engine) -> dict[str, str]:
+    """The environment a worker's process starts with (and what an early-started one is matched on).
+    PYTHONUNBUFFERED so that the log tail shows the last words of a crashing Python worker."""
+    return {**worker_base_environ(spec), "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
+
+
 def _start(spec: WorkerSpec, engine: Engine, log_path: Path, ready_timeout_s: float) -> WorkerHandle:
     """Start the worker's process — argument list, own session, its group registered with the guardian,
     output to ``log_path`` — and its readiness wait (:class:`_ReadyWatch`), without waiting: the one
     place a worker is started."""
     port = spec.port or free_port(spec.host)
     cmd = engine.launch_command(spec, port)
-    # PYTHONUNBUFFERED so that the log tail shows the last words of a crashing Python worker.
-    env = {**worker_base_environ(spec), "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
+    env = _launch_environ(spec, engine)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _install_exit_hooks()
     guard_process_tree()
@@ -540,9 +545,9 @@ def _adopt_early(spec: WorkerSpec, engine: Engine, log_path: Path, ready_timeout
     if handle is None:
         return None
     port = int(handle.base_url.rsplit(":", 1)[1])
-    env = {**worker_base_environ(spec), "PYTHONUNBUFFERED": "1", **engine.launch_env(spec)}
     watch = handle._ready_watch
-    same = (handle.spec == spec and type(handle.engine) is type(engine) and handle.environ_digest == _digest(env)
+    same = (handle.spec == spec and type(handle.engine) is type(engine)
+            and handle.environ_digest == _digest(_launch_environ(spec, engine))
             and handle.command == engine.launch_command(spec, port)
             and watch is not None and watch.timeout_s == ready_timeout_s)
     # One that exited during start-up is adopted all the same: the launch then reports its exit and log.
