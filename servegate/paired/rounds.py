@@ -218,8 +218,7 @@ class PairedMeasurement:
                           tokenizer=side.tokenizer)
         row = out.summary.iloc[0]
         if int(row["failed"]) > 0:
-            failed = out.requests[~out.requests["success"]]
-            first = f"{failed['error_kind'].iloc[0]}: {failed['error'].iloc[0]}" if len(failed) else "?"
+            first = _first_failure(out.requests)
             raise StageError(f"{int(row['failed'])} of {self.p.requests_per_block} requests to the {side.name} "
                              f"worker failed in round {round_index + 1} (first: {first}); a round with failed "
                              f"requests is not a measurement (the worker's side: {side.log})")
@@ -447,8 +446,7 @@ class PairedMeasurement:
         found = _new_traces(trace_dir, before)
         row = out.summary.iloc[0]
         if int(row["failed"]) > 0:
-            failed = out.requests[~out.requests["success"]]
-            first = f"{failed['error_kind'].iloc[0]}: {failed['error'].iloc[0]}" if len(failed) else "?"
+            first = _first_failure(out.requests)
             raise StageError(f"{int(row['failed'])} of {self.p.requests_per_block} requests failed while profiling "
                              f"(first: {first}; the worker's side: {side.log})")
         return found, round(time.perf_counter() - t0, 3), float(row[PAIRED_METRICS["itl_median_ms"][0]])
@@ -492,6 +490,13 @@ class PairedMeasurement:
         recent = [r["block_s"] for r in self.rounds[-4:]]
         block = statistics.median(recent) if recent else 0.0
         return block + (statistics.median(self.restart_s) if restart and self.restart_s else 0.0)
+
+
+def _first_failure(requests: pd.DataFrame) -> str:
+    """The first failed request of a block, as ``kind: error`` (a client-side check can fail a request
+    whose answer the worker's log shows as 200, so its log alone does not say why)."""
+    failed = requests[~requests["success"]]
+    return f"{failed['error_kind'].iloc[0]}: {failed['error'].iloc[0]}" if len(failed) else "?"
 
 
 def _new_traces(trace_dir: Path, before: set[Path]) -> list[Path]:
