@@ -203,6 +203,47 @@ def test_stream_split_across_writes_and_keep_alive_reuse() -> None:
     asyncio.run(main())
 
 
+def test_http_chunks_read_together_are_one_arrival_never_a_zero_gap() -> None:
+    # A chunked body calls the sink once per HTTP chunk; a busy client reads several chunks in one
+    # read, so the sink sees several feeds with one timestamp. They are one arrival: a zero ITL gap
+    # per extra chunk made a real vLLM block's median ITL 0 on a busy CI machine (log ratio NaN).
+    async def handler(req: bytes, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (_openai("a", None, (3, i)) for i in (1, 2, 3))))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(_chunked(_openai("b", None, (3, 4)), _openai("c", "length", (3, 5)),
+                              _openai("", None, (3, 5), choices=False), b"data: [DONE]\n\n"))
+        return True
+
+    async def main() -> None:
+        server, url, _ = await _serve(handler)
+        async with server, StreamingClient(url) as client:
+            sink = OPENAI.token_stream()
+            status, _, complete = await client.post_stream(client.request_bytes("/v1/completions", b"{}"), sink)
+        assert (status, complete, sink.done, sink.count, sink.count_error(5)) == (200, True, True, 5, None)
+        assert sink.counts[-1] == 5 and len(sink.times) == len(sink.counts) <= 5
+        gaps = [b - a for a, b in zip(sink.times, sink.times[1:])]
+        assert gaps and all(g > 0 for g in gaps), (sink.times, sink.counts)
+        assert max(gaps) >= 0.04  # the pause between the two writes
+
+    asyncio.run(main())
+
+
+def test_feeds_with_one_timestamp_are_one_arrival_per_protocol() -> None:
+    openai = OPENAI.token_stream()
+    openai.feed(_openai("a", None, (3, 1)), 1.0)
+    openai.feed(_openai("b", None, (3, 2)), 2.0)
+    openai.feed(_openai("c", None, (3, 3)), 2.0)  # the next HTTP chunk of the same read
+    assert openai.times == [1.0, 2.0] and openai.counts == [1, 3]
+    native = NATIVE.token_stream()
+    native.feed(_native(1), 1.0)
+    native.feed(_native(2), 2.0)
+    native.feed(_native(3), 2.0)
+    native.feed(_native(4), 3.0)
+    assert native.times == [1.0, 2.0, 3.0] and native.counts == [1, 3, 4]
+
+
 def test_error_status_returns_its_body() -> None:
     async def handler(req: bytes, writer: asyncio.StreamWriter, n: int) -> bool:
         writer.write(b'HTTP/1.1 503 Service Unavailable\r\nContent-Length: 12\r\n\r\n{"busy": 1}\n')

@@ -130,6 +130,21 @@ class TokenStream(abc.ABC):
     def _take(self, payloads: list[bytes], ts: float) -> bool:
         """Count the tokens of the event payloads that arrived at ``ts``; True after ``[DONE]``."""
 
+    def _arrived(self, ts: float, count: int) -> None:
+        """Record that the cumulative count reached ``count`` at ``ts``.
+
+        One arrival per read, however many events it held: they came at the same instant as far as
+        the client can tell, so the gap since the previous read is spread over all their tokens
+        (ITL), never a run of zero gaps. A read may reach ``feed`` several times with one ``ts``
+        (each HTTP chunk of a chunked body is its own callback, and a busy client reads several
+        chunks at once): those are merged into one arrival too.
+        """
+        if self.times and self.times[-1] == ts:
+            self.counts[-1] = count
+        else:
+            self.times.append(ts)
+            self.counts.append(count)
+
     @property
     def output_tokens(self) -> int:
         """The request's output tokens as the server counted them."""

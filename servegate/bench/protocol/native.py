@@ -192,11 +192,7 @@ class NativeTokenStream(TokenStream):
             if new_count > count:
                 count = new_count
         if count > self.count:
-            # One arrival per read, however many events it held: they came at the same instant as far
-            # as the client can tell, so the gap since the previous read is spread over all their
-            # tokens (ITL), never a run of zero gaps (a busy client reads several events at once).
-            self.times.append(ts)
-            self.counts.append(count)
+            self._arrived(ts, count)  # one arrival per read (TokenStream._arrived)
         self.count = count
         return self.done
 
