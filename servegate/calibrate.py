@@ -42,7 +42,9 @@ Calibration runs themselves go to their own run folders and are not recorded as 
 is one decision of the config's ``paired`` stage (its own baseline and candidate workers, rounds
 until decided or out of budget; the other measurement stages are off), made by the same gate
 flow as any paired gate. A/A decisions measure the config as is (baseline and candidate must be
-the same build); a slowdown decision gives the decode fault to the candidate only. The bound is
+the same build); a slowdown decision gives the decode fault to the candidate only. A confirmation
+(``paired.confirm``) is part of a decision and runs; the profile of a confirmed regression
+(``paired.profile``) is a diagnosis and does not. The bound is
 ``paired.bound``, the one the stopping rule decided against: a sequential decision cannot be
 re-decided at another bound after it stopped. Per gated metric and arm (A/A, each slowdown):
 
@@ -167,6 +169,9 @@ def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path,
     if mode == "paired":
         _check_paired_aa(config)
         data["paired"]["enabled"] = True
+        # A profile of a confirmed regression is a diagnosis for a person; a calibration decision is a
+        # count. Its confirmation stays (it is part of the decision), its profiled block does not.
+        data["paired"]["profile"] = False
         for stage in ("one_batch", "serving", "occupancy", "capacity"):  # the gate's own worker is not launched
             data[stage]["enabled"] = False
     else:

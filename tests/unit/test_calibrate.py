@@ -220,7 +220,10 @@ def test_paired_run_config_slows_the_candidate_only_and_measures_the_paired_stag
     for cfg in (a, b):
         assert cfg.is_paired and not cfg.compare.enabled and not cfg.store.enabled
         assert not (cfg.one_batch.enabled or cfg.serving.enabled or cfg.occupancy.enabled or cfg.quality.enabled)
-        assert cfg.paired == config.paired  # the gate's paired rule as is
+        # The gate's paired rule as is (the confirmation included), without the profile of a confirmed
+        # regression: a diagnosis, not part of a decision.
+        assert cfg.paired == config.paired.model_copy(update={"profile": False})
+        assert config.paired.profile and config.paired.confirm and cfg.paired.confirm
     # History calibration does not run the paired stage: its table is not what it compares.
     assert not run_config(config, 0, tmp_path).paired.enabled
     with pytest.raises(ConfigError, match=r"needs a baseline worker.*smoke-ab"):
