@@ -43,7 +43,9 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]
 
 
 def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path):
-    proc, verdict = _run(tmp_path, *SLOWDOWN)
+    # Without the profile of the confirmed regression (paired.profile): its own test below profiles a
+    # tiny model; here it would only add a profiled block per side and two SmolLM2 traces to read.
+    proc, verdict = _run(tmp_path, *SLOWDOWN, "--set", "paired.profile=false")
     run_dir = Path(verdict["run_dir"])
     rounds = pd.read_parquet(run_dir / "paired_rounds.parquet") if (run_dir / "paired_rounds.parquet").exists() else None
     shown = "" if rounds is None else rounds[rounds["metric"] == "itl_median_ms"].to_string()
