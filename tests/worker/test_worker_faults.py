@@ -7,7 +7,6 @@ import math
 import random
 import signal
 import threading
-import time
 
 import pytest
 import requests
