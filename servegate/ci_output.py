@@ -5,7 +5,7 @@ With ``servegate run --github`` (or whenever ``GITHUB_ACTIONS=true``), after the
 - the run's ``summary.md`` is appended to ``$GITHUB_STEP_SUMMARY`` (the job's summary page);
 - one workflow-command annotation per finding is printed on stderr (the runner reads workflow
   commands from both streams, and stdout stays the verdict table or the ``--json`` document):
-  ``::error`` per breach (a regression), ``::warning`` per undecided gated metric, ``::warning`` per
+  ``::error`` per breach (a regression), ``::warning`` per undecided or suspicious gated metric, ``::warning`` per
   infrastructure problem (could not decide);
 - ``pr_comment.md`` is written into the run folder: the summary under a hidden marker naming the
   gate key, so that a workflow can post it (``gh pr comment --body-file``) and later edit the same
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from servegate.render import markdown_code, markdown_text, terminal_text
-from servegate.verdict import Verdict, observed_text
+from servegate.verdict import Verdict, observed_text, undecided_kind
 
 __all__ = ["github_enabled", "annotations", "write_github_outputs", "PR_COMMENT", "comment_marker"]
 
@@ -58,7 +58,7 @@ def annotations(verdict: Verdict, key: str) -> list[str]:
             message += f" ({b.source})"
         out.append(_command("error", f"servegate {key}: regression", message))
     for text in verdict.undecided:
-        out.append(_command("warning", f"servegate {key}: undecided", text))
+        out.append(_command("warning", f"servegate {key}: {undecided_kind(text)}", text))
     undecided = set(verdict.undecided)
     for text in verdict.infra_errors:
         if text not in undecided:  # infra_errors repeats the undecided entries

@@ -49,6 +49,7 @@ from servegate.plots import (cdf_plot, occupancy_plot, one_batch_plot, paired_in
 from servegate.render import (UNDECIDED_HEADING, calibration_text, gated_paired_rows, interval_text, markdown_cell, markdown_code,
                               markdown_text, metric_rows, paired_text, percent_text, ratio_number_text)
 from servegate.tables import TABLE_STAGE
+from servegate.verdict import undecided_kind
 
 __all__ = [
     "PLOT_NAMES",
@@ -496,10 +497,14 @@ def write_junit(verdict: Mapping[str, Any] | Any, outcomes: Iterable[Mapping[str
         case = ET.SubElement(suite, "testcase", classname="servegate.infra", name=f"infra_error_{i + 1}")
         error = ET.SubElement(case, "error", message=err.splitlines()[0] if err else "infra error", type="infra")
         error.text = err
-    for i, err in enumerate(undecided):
-        # Could not decide, like an infra error: an <error> (the pipeline's "broken", not "regressed").
-        case = ET.SubElement(suite, "testcase", classname="servegate.undecided", name=f"undecided_{i + 1}")
-        error = ET.SubElement(case, "error", message=err.splitlines()[0], type="undecided")
+    counted: dict[str, int] = {}
+    for err in undecided:
+        # Could not decide, like an infra error: an <error> (the pipeline's "broken", not "regressed"),
+        # of type "undecided" or, for the history rule's not-yet-called regression, "suspicious".
+        kind = undecided_kind(err)
+        counted[kind] = counted.get(kind, 0) + 1
+        case = ET.SubElement(suite, "testcase", classname=f"servegate.{kind}", name=f"{kind}_{counted[kind]}")
+        error = ET.SubElement(case, "error", message=err.splitlines()[0], type=kind)
         error.text = err
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ __all__ = [
     "Verdict",
     "decide_verdict",
     "observed_text",
+    "undecided_kind",
 ]
 
 VERDICT_SCHEMA_VERSION = "1"
@@ -165,6 +166,12 @@ def observed_text(observed: Any) -> str:
     if isinstance(observed, float):
         return f"{observed:.6g}"
     return "-" if observed is None else str(observed)
+
+
+def undecided_kind(entry: str) -> str:
+    """``"suspicious"`` for an entry of ``Verdict.undecided`` that the history rule left not yet called
+    (it begins "suspicious:"), else ``"undecided"``: what JUnit and CI annotations call it."""
+    return "suspicious" if entry.startswith("suspicious:") else "undecided"
 
 
 def decide_verdict(outcomes: list[ExpectationOutcome], infra_errors: list[str],

@@ -95,3 +95,23 @@ def test_the_html_report_marks_a_suspicious_decision_apart_from_a_regression():
     marked = _mark_decisions("<tr><td>suspicious</td><td>regression</td><td>no_change</td></tr>")
     assert '<td class="warn">suspicious</td>' in marked and '<td class="bad">regression</td>' in marked
     assert "<td>no_change</td>" in marked
+
+
+def test_junit_and_ci_annotations_call_a_suspicious_metric_suspicious_and_an_undecided_one_undecided(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from servegate.ci_output import annotations
+    from servegate.report import write_junit
+
+    outcomes = comparison_outcomes("cpu-nightly", ("inconclusive", "suspicious"), (True, True))
+    verdict = decide_verdict(outcomes, [])
+    root = ET.parse(write_junit(verdict, outcomes, tmp_path / "junit.xml")).getroot()
+    extra = [c for c in root.findall("testcase") if c.get("classname") in ("servegate.suspicious", "servegate.undecided")]
+    assert sorted((c.get("classname"), c.get("name"), c.find("error").get("type")) for c in extra) == [
+        ("servegate.suspicious", "suspicious_1", "suspicious"), ("servegate.undecided", "undecided_1", "undecided")]
+    assert root.get("errors") == "2" and root.get("failures") == "2"  # both rows fail their expectation, as "error"s
+    suspicious = next(c for c in extra if c.get("classname") == "servegate.suspicious").find("error")
+    assert suspicious.get("message").startswith("suspicious: comparison.decision")
+    assert "not yet in compare.consecutive runs in a row" in suspicious.text
+    titles = sorted(line.split(" title=")[1].split("::")[0] for line in annotations(verdict, "k"))
+    assert titles == ["servegate k%3A suspicious", "servegate k%3A undecided"], titles
