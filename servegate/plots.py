@@ -189,6 +189,11 @@ def speculation_plot(tables: Mapping[str, pd.DataFrame]) -> str:
     return _plot(name, title, fig)
 
 
+_DECISION_COLOURS = {"regression": "#cf222e", "suspicious": "#9a6700"}
+"""The current run's point in a trend plot, when its decision is one of these (else blue): the
+report's colours for a regression and for the history rule's not-yet-called one."""
+
+
 def trend_plot(rows: Sequence[Mapping[str, Any]], metric: GatedMetric,
                 history: Sequence[tuple[RunRecord, dict[str, Any]]], run_id: str, baseline_ids: set[str]) -> str:
     """One metric's per-run statistic over the key's runs; one line per case (one-batch grid
@@ -213,8 +218,9 @@ def trend_plot(rows: Sequence[Mapping[str, Any]], metric: GatedMetric,
                 label=case or "runs", color=None if case else "#57606a")
         cur = [(x, y) for x, y, rid in points if rid == run_id]
         if cur:
-            colour = "#cf222e" if row.get("decision") == "regression" else "#0969da"
-            ax.scatter([cur[0][0]], [cur[0][1]], color=colour, s=50, zorder=4)
+            decision = row.get("decision")
+            ax.scatter([cur[0][0]], [cur[0][1]], color=_DECISION_COLOURS.get(decision, "#0969da"), s=50, zorder=4,
+                       label=f"this run: {decision}" if decision in _DECISION_COLOURS else None)
         if len(rows) > 1:
             continue
         base = [(x, y) for x, y, rid in points if rid in baseline_ids]

@@ -115,3 +115,30 @@ def test_junit_and_ci_annotations_call_a_suspicious_metric_suspicious_and_an_und
     assert "not yet in compare.consecutive runs in a row" in suspicious.text
     titles = sorted(line.split(" title=")[1].split("::")[0] for line in annotations(verdict, "k"))
     assert titles == ["servegate k%3A suspicious", "servegate k%3A undecided"], titles
+
+
+def test_the_trend_plot_marks_this_run_s_point_by_its_decision(tmp_path):
+    from datetime import timedelta
+
+    from test_store import KEY, T0, run_inputs, synthetic_tables
+
+    from servegate.compare import compare_run
+    from servegate.gated_metrics import GATED_METRICS
+    from servegate.history import Store
+    from servegate.plots import trend_plot
+
+    with Store(str(tmp_path / "history.db")) as store:
+        for i in range(3):
+            store.record_run(**run_inputs(f"night-{i}", started_at=T0 + timedelta(days=i), seed=i))
+        current = synthetic_tables(3, slowdown=1.6)
+        comparison = compare_run(store, current, KEY)
+        store.record_run(**run_inputs("night-3", started_at=T0 + timedelta(days=3), seed=3,
+                                      tables={**current, "comparison": comparison}))
+        history = [(rec, store.tables(rec.run_id)) for rec in store.runs()]
+    row = comparison[comparison["metric"] == "serving.itl_ms.median"].iloc[0].to_dict()
+    metric = next(m for m in GATED_METRICS if m.metric == row["metric"])
+    drawn = {d: trend_plot([{**row, "decision": d}], metric, history, "night-3", set())
+             for d in ("suspicious", "regression", "no_change")}
+    assert "this run: suspicious" in drawn["suspicious"] and "#9a6700" in drawn["suspicious"]
+    assert "this run: regression" in drawn["regression"] and "#cf222e" in drawn["regression"]
+    assert "this run:" not in drawn["no_change"] and "#9a6700" not in drawn["no_change"]
