@@ -407,12 +407,19 @@ def render_report(*, run_id: str, key: str, verdict: Mapping[str, Any], tables: 
 def build_report(store: Store, run_id: str, *, policy: BaselinePolicy | None = None,
                  trend_runs: int = _TREND_RUNS) -> str:
     """The HTML report of a recorded run: its comparison is the recorded ``comparison`` table
-    when the flow stored one, else computed now against the baseline ``policy`` selects."""
+    when the flow stored one, else computed now under the run's own ``compare`` settings (bounds,
+    history rule, and its baseline policy unless ``policy`` is given)."""
     record = store.get_run(run_id)
     tables = store.tables(run_id)
     comparison = tables.pop("comparison", None)
     if comparison is None or comparison.empty:
-        comparison = compare_run(store, run_id, policy=policy)
+        settings = (record.config or {}).get("compare") or {}
+        if policy is None and settings.get("policy"):
+            policy = BaselinePolicy(kind=settings["policy"], n=settings.get("n") or 5, branch=settings.get("branch"),
+                                    days=settings.get("days"))
+        comparison = compare_run(store, run_id, policy=policy,
+                                 **{k: settings[k] for k in ("bound", "tail_bound", "consecutive")
+                                    if settings.get(k) is not None})
         baseline = dict(comparison.attrs.get("baseline", {}))
     else:
         # The comparison the verdict was built on, against the baseline of that moment.

@@ -142,3 +142,29 @@ def test_the_trend_plot_marks_this_run_s_point_by_its_decision(tmp_path):
     assert "this run: suspicious" in drawn["suspicious"] and "#9a6700" in drawn["suspicious"]
     assert "this run: regression" in drawn["regression"] and "#cf222e" in drawn["regression"]
     assert "this run:" not in drawn["no_change"] and "#9a6700" not in drawn["no_change"]
+
+
+def test_a_report_computed_for_a_run_recorded_without_a_comparison_uses_that_run_s_compare_settings(tmp_path):
+    # `servegate report` of a run the flow recorded without a comparison table compares it then: under
+    # the run's own compare section (its history rule and bounds), not the defaults.
+    from datetime import timedelta
+
+    from test_store import T0, run_inputs
+
+    from servegate.history import Store
+    from servegate.report import build_report
+
+    def report(compare: dict) -> str:
+        with Store(str(tmp_path / f"h{len(compare)}-{compare.get('consecutive')}.db")) as store:
+            for i in range(3):
+                store.record_run(**run_inputs(f"night-{i}", started_at=T0 + timedelta(days=i), seed=i))
+            slow = run_inputs("night-3", started_at=T0 + timedelta(days=3), seed=3, slowdown=1.6)
+            slow["config"]["compare"] = {"enabled": True, "policy": "last_n", "n": 5, **compare}
+            store.record_run(**slow)
+            return build_report(store, "night-3")
+
+    assert '<td class="bad">regression</td>' in report({"consecutive": 1})
+    once = report({"consecutive": 2})  # no earlier run compared anything: not yet called
+    assert '<td class="warn">suspicious</td>' in once and '<td class="bad">regression</td>' not in once
+    wide = report({"consecutive": 1, "bound": 0.9, "tail_bound": 0.9})  # x1.6 is inside a 90 % bound
+    assert '<td class="bad">regression</td>' not in wide and '<td class="warn">suspicious</td>' not in wide
