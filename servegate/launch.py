@@ -238,6 +238,9 @@ class WorkerHandle:
         self._ready_watch: _ReadyWatch | None = None
         self.memory = MemoryHighWater(process.pid).start() if process is not None else None
         self.table: object | None = None
+        self.launch_note: str | None = None
+        """How the launch came to this process when it was not a plain start: an early-started process
+        adopted, or one not adopted and why (the launch stage's remark in stages.json)."""
         """The launch stage's ``worker`` table (a pandas frame), refreshed in place after each stage on
         this worker (``servegate.stages.refresh_worker_table``)."""
 
@@ -418,7 +421,10 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
             _wait_ready(handle, session, timeout_s)
         return handle
 
-    handle = _adopt_early(spec, engine, log_path, timeout_s) or _start(spec, engine, log_path, timeout_s)
+    handle, note = _adopt_early(spec, engine, log_path, timeout_s)
+    if handle is None:
+        handle = _start(spec, engine, log_path, timeout_s)
+    handle.launch_note = note
     try:
         assert handle._ready_watch is not None  # every started handle has one
         handle._ready_watch.result()
@@ -536,14 +542,16 @@ def discard_early() -> None:
     handle.log_path.unlink(missing_ok=True)
 
 
-def _adopt_early(spec: WorkerSpec, engine: Engine, log_path: Path, ready_timeout_s: float) -> WorkerHandle | None:
-    """The early-started process, when it is exactly what this launch would start (same spec, command,
-    environment and readiness timeout); its log moved to ``log_path``. A process that differs is stopped."""
+def _adopt_early(spec: WorkerSpec, engine: Engine, log_path: Path,
+                 ready_timeout_s: float) -> tuple[WorkerHandle | None, str | None]:
+    """``(the early-started process, what happened)``: the process when it is exactly what this launch
+    would start (same spec, command, environment and readiness timeout), its log moved to ``log_path``;
+    else None, and a process that differs is stopped. The note says which (None: nothing started early)."""
     global _early
     with _early_lock:
         handle, _early = _early, None
     if handle is None:
-        return None
+        return None, None
     port = int(handle.base_url.rsplit(":", 1)[1])
     watch = handle._ready_watch
     same = (handle.spec == spec and type(handle.engine) is type(engine)
@@ -566,5 +574,8 @@ def _adopt_early(spec: WorkerSpec, engine: Engine, log_path: Path, ready_timeout
         logger.info("not adopting the early-started worker (pid %s): %s; starting a fresh one", handle.pid, why)
         handle.stop()
         handle.log_path.unlink(missing_ok=True)
-        return None
-    return handle
+        return None, (f"the worker process started early (pid {handle.pid}) was not adopted: {why}; "
+                      f"this launch started a fresh one")
+    ahead = time.perf_counter() - handle.started
+    return handle, (f"adopted the worker process started early (pid {handle.pid}, {ahead:.1f} s before this stage), "
+                    f"the same command and environment this launch would start; startup_s counts from its start")

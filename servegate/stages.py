@@ -158,6 +158,8 @@ def _launch(run: RunContext, result: StageResult) -> None:
     run.worker = launch_worker(run.config.worker, run.path / "worker.log")
     result.notes["base_url"] = run.worker.base_url
     handle = run.worker
+    if handle.launch_note:
+        result.remarks.append(handle.launch_note)
     table = pd.DataFrame([{
         "engine": handle.engine.name,
         "startup_s": math.nan if handle.startup_s is None else handle.startup_s,

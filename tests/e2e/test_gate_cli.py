@@ -66,6 +66,9 @@ def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     assert stages.pop("paired")["status"] == "skipped"  # nor a baseline worker to pair with
     assert stages.pop("capacity")["status"] == "skipped"  # the capacity sweep is off in smoke
     assert all(s["status"] == "ok" for s in stages.values()), stages
+    # `servegate run` started the worker before Prefect was up, and the launch stage took that process.
+    assert [r.split(" (pid ")[0] for r in stages["launch"]["remarks"]] == [
+        "adopted the worker process started early"], stages["launch"]
     rows = [json.loads(line) for line in (run_dir / "one_batch.jsonl").read_text().splitlines()]
     # the smoke grid has one case past the worker's max running requests: a row with its reason
     skipped = [r for r in rows if r["status"] == "skipped"]

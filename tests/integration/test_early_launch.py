@@ -52,6 +52,8 @@ def test_launch_adopts_the_early_process_and_its_startup_is_the_workers_own(tmp_
     log = tmp_path / "out" / "run" / "worker.log"
     with launch_worker(spec, log, engine=engine) as handle:
         assert handle is early and handle.pid == early.pid  # adopted, not a second process
+        assert handle.launch_note is not None and handle.launch_note.startswith(
+            f"adopted the worker process started early (pid {early.pid}, "), handle.launch_note
         assert handle.startup_s == ready_after and handle.startup_s < time.perf_counter() - handle.started - 1.9
         assert requests.get(handle.base_url + "/health_generate", timeout=5).status_code == 200
     assert _gone(early.pid)
@@ -68,6 +70,10 @@ def test_a_launch_of_another_worker_stops_the_early_process(tmp_path: Path) -> N
                        engine=StandInEngine()) as handle:
         assert handle.pid != early.pid
         assert _gone(early.pid) and not early_log.exists()
+        assert handle.launch_note == (f"the worker process started early (pid {early.pid}) was not adopted: it was "
+                                      f"started for a different launch; this launch started a fresh one")
+    with launch_worker(WorkerSpec(), tmp_path / "plain.log", ready_timeout_s=30, engine=StandInEngine()) as plain:
+        assert plain.launch_note is None  # nothing started early: a plain start, nothing to say
 
 
 def test_an_early_process_that_exits_fails_the_launch_with_its_log(tmp_path: Path) -> None:
