@@ -81,6 +81,7 @@ def start_worker_early(config: GateConfig) -> bool:
         return False
     if not _measures_gate_worker(config, MEASUREMENT_STAGES):
         return False
+    remove_stale_early_logs(Path(config.output_dir))
     log_path = Path(config.output_dir) / f".worker-{os.getpid()}.log"
     try:
         return start_early(config.worker, log_path) is not None
@@ -92,6 +93,23 @@ def start_worker_early(config: GateConfig) -> bool:
             log_path.unlink(missing_ok=True)
         logger.info("the worker's process was not started early (%s); the launch stage starts it", exc)
         return False
+
+
+def remove_stale_early_logs(output_dir: Path) -> list[Path]:
+    """Delete the early-start logs (``.worker-<pid>.log``) in ``output_dir`` whose gate process is gone: a
+    gate killed (SIGKILL) before its launch stage adopted the worker cannot remove its own (the worker dies
+    with it). A log whose pid is running is another gate's, and stays. Returns what was deleted."""
+    import psutil
+
+    removed = []
+    for path in output_dir.glob(".worker-*.log"):
+        pid = path.name.removeprefix(".worker-").removesuffix(".log")
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def _measures_gate_worker(config: GateConfig, stages: "list[str] | tuple[str, ...]") -> bool:

@@ -18,7 +18,7 @@ import requests
 from servegate.config import GateConfig, WorkerSpec
 from servegate.launch import discard_early, launch_worker, start_early
 from servegate.proctree import terminate_tree
-from servegate.runstate import DEVICE_SLOT_ENV, start_worker_early
+from servegate.runstate import DEVICE_SLOT_ENV, remove_stale_early_logs, start_worker_early
 
 from test_launch import StandInEngine
 
@@ -101,7 +101,12 @@ def test_nothing_starts_early_when_the_gate_would_not_launch(tmp_path: Path,
     def config(**sections: object) -> GateConfig:
         return GateConfig.model_validate({"output_dir": str(tmp_path), **sections})
 
+    # A gate killed with SIGKILL before its launch left its early log; the next gate in the folder removes it.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    (tmp_path / f".worker-{dead.pid}.log").write_text("a killed gate's worker log\n")
     assert start_worker_early(config())  # the gate would launch its worker: it starts now
+    assert [p.name for p in tmp_path.iterdir()] == [f".worker-{os.getpid()}.log"]
     discard_early()
     no_gate_worker = {name: {"enabled": False} for name in ("one_batch", "serving", "occupancy", "quality", "capacity")}
     assert not start_worker_early(config(**no_gate_worker))  # only the paired stage's own workers would run
@@ -127,6 +132,16 @@ def test_a_launch_that_cannot_be_made_early_is_left_to_the_launch_stage(tmp_path
     assert not start_worker_early(missing)
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
     discard_early()  # nothing was started: a no-op
+
+
+def test_only_the_early_logs_of_gates_that_are_gone_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    names = [f".worker-{dead.pid}.log", f".worker-{os.getppid()}.log", ".worker-x.log", "worker-1.log"]
+    for name in names:
+        (tmp_path / name).write_text("log\n")
+    assert remove_stale_early_logs(tmp_path) == [tmp_path / names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])  # a live gate's log, and not ours
 
 
 GATE_SCRIPT = textwrap.dedent("""
