@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prefect.states import Failed, State
@@ -18,9 +19,11 @@ def as_state(result: StageResult) -> StageResult | State:
     return result
 
 
-def perform(run: GateRun, stage: str, *upstream: StageResult) -> StageResult | State:
+def perform(run: GateRun, stage: str, *upstream: StageResult,
+            intro: Callable[[], str] | None = None) -> StageResult | State:
     """Run ``stage`` unless it is disabled, not applicable or blocked by ``upstream`` (the results it
-    depends on); publish its tables; return its result (see :func:`as_state`)."""
+    depends on); publish its tables, after ``intro()``'s markdown when given (one artifact per stage);
+    return its result (see :func:`as_state`)."""
     declared = spec(stage)
     skip = run.skip_reason(declared, *upstream)
     if skip is not None:
@@ -29,8 +32,10 @@ def perform(run: GateRun, stage: str, *upstream: StageResult) -> StageResult | S
         declared.run(run, result)
     if declared.flushed:
         refresh_worker_table(run, stage)  # the worker's memory high-water mark through this stage
-    if result.ok and result.tables:
-        publish(run.config.name, stage, f"# {stage}\n\n" + "\n\n".join(_shown(df) for df in result.tables.values()))
+    if result.ok and (result.tables or intro is not None):
+        parts = [intro()] if intro is not None else []
+        publish(run.config.name, stage,
+                f"# {stage}\n\n" + "\n\n".join([*parts, *(_shown(df) for df in result.tables.values())]))
     return as_state(result)
 
 

@@ -45,14 +45,13 @@ def _children() -> set[int]:
     return out
 
 
-async def _artifact_keys(flow_run_id) -> set[str]:
+async def _artifacts(flow_run_id) -> list:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     async with get_client() as client:
-        artifacts = await client.read_artifacts(
+        return await client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    return {a.key for a in artifacts if a.key}
 
 
 def _suites_for_a_busy_machine(tmp_path: Path) -> Path:
@@ -86,9 +85,14 @@ def test_flow_run_passes_records_artifacts_and_stops_worker(prefect_harness, tmp
         assert stages[stage]["status"] == "ok", (stage, stages[stage])
     assert stages["compare"]["status"] == "skipped"  # smoke: no baseline comparison
     assert (run_dir / "junit.xml").is_file() and (run_dir / "report.html").is_file()
-    keys = asyncio.run(_artifact_keys(state.state_details.flow_run_id))
-    assert {"servegate-smoke-one-batch", "servegate-smoke-serving", "servegate-smoke-occupancy",
-            "servegate-smoke-verdict", "servegate-smoke-summary"} <= keys, keys
+    artifacts = asyncio.run(_artifacts(state.state_details.flow_run_id))
+    keys = {a.key for a in artifacts if a.key}
+    assert {"servegate-smoke-launch", "servegate-smoke-one-batch", "servegate-smoke-serving",
+            "servegate-smoke-occupancy", "servegate-smoke-verdict", "servegate-smoke-summary"} <= keys, keys
+    # One artifact per stage: the launch's is the worker's address and budget, and its table.
+    (launch,) = [a for a in artifacts if a.key == "servegate-smoke-launch"]
+    assert "ready at http://127.0.0.1:" in launch.data and "memory budget:" in launch.data, launch.data
+    assert "startup_s" in launch.data, launch.data
     assert _children() <= before  # the worker's whole tree is gone
 
 
