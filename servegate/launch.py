@@ -238,11 +238,11 @@ class WorkerHandle:
         self._ready_watch: _ReadyWatch | None = None
         self.memory = MemoryHighWater(process.pid).start() if process is not None else None
         self.table: object | None = None
+        """The launch stage's ``worker`` table (a pandas frame), refreshed in place after each stage on
+        this worker (``servegate.stages.refresh_worker_table``)."""
         self.launch_note: str | None = None
         """How the launch came to this process when it was not a plain start: an early-started process
         adopted, or one not adopted and why (the launch stage's remark in stages.json)."""
-        """The launch stage's ``worker`` table (a pandas frame), refreshed in place after each stage on
-        this worker (``servegate.stages.refresh_worker_table``)."""
 
     @property
     def pid(self) -> int | None:
