@@ -546,7 +546,9 @@ class PairedConfig(_Model):
         "workers restart during the measurement (rounds_per_worker < max_rounds), else rounds. The asymptotic "
         "sequence is anti-conservative on fewer (benchmarks/paired_sequential.py)"))
     max_rounds: int = Field(200, ge=3, description="stop after this many rounds (undecided metrics: inconclusive)")
-    max_measure_s: Seconds = Field(600.0, description="measurement budget: no round starts that would end past it")
+    max_measure_s: Seconds = Field(600.0, description=(
+        "measurement budget: no round starts that is expected (median of the last 4 rounds, restart included) "
+        "to end past it; stage_max_s is the hard limit"))
     rounds_per_worker: int = Field(2, ge=1, description=(
         "restart both workers every this many rounds (one AB + BA pair per instance at 2); the interval is "
         "then over instance pairs, whose offsets (memory layout, allocator, threads) it samples"))
