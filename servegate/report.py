@@ -40,6 +40,7 @@ import pandas as pd
 
 from servegate.baseline import BaselinePolicy
 from servegate.compare import compare_run
+from servegate.config import CompareConfig
 from servegate.errors import ConfigError
 from servegate.gated_metrics import GATED_METRICS, GatedMetric
 from servegate.hostcheck import environment_differences
@@ -413,13 +414,11 @@ def build_report(store: Store, run_id: str, *, policy: BaselinePolicy | None = N
     tables = store.tables(run_id)
     comparison = tables.pop("comparison", None)
     if comparison is None or comparison.empty:
-        settings = (record.config or {}).get("compare") or {}
-        if policy is None and settings.get("policy"):
-            policy = BaselinePolicy(kind=settings["policy"], n=settings.get("n") or 5, branch=settings.get("branch"),
-                                    days=settings.get("days"))
-        comparison = compare_run(store, run_id, policy=policy,
-                                 **{k: settings[k] for k in ("bound", "tail_bound", "consecutive")
-                                    if settings.get(k) is not None})
+        recorded = (record.config or {}).get("compare") or {}
+        # The fields this version knows (a run recorded by an older one may hold others); the rest default.
+        cfg = CompareConfig.model_validate({k: v for k, v in recorded.items() if k in CompareConfig.model_fields})
+        comparison = compare_run(store, run_id, policy=policy or cfg.baseline_policy(), bound=cfg.bound,
+                                 tail_bound=cfg.tail_bound, consecutive=cfg.consecutive)
         baseline = dict(comparison.attrs.get("baseline", {}))
     else:
         # The comparison the verdict was built on, against the baseline of that moment.

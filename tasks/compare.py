@@ -21,13 +21,12 @@ def compare(run: GateRun, measured: list[StageResult]) -> StageResult | State:
     cfg = run.config.compare
     if not cfg.enabled:
         return run.skipped(STAGE, "skipped", "disabled in config (compare.enabled = false)")
-    from servegate.baseline import BaselinePolicy
     from servegate.compare import compare_run
     from servegate.history import GateKey, Store
 
     tables = tables_of(measured)
     with run.stage(STAGE) as result:
-        policy = BaselinePolicy(kind=cfg.policy, n=cfg.n, branch=cfg.branch, days=cfg.days)
+        policy = cfg.baseline_policy()
         key = GateKey.from_run(run.folder.manifest.model_dump(mode="json"), run.config_snapshot())
         with Store(run.config.store.url) as store:
             table = compare_run(store, tables, key, policy=policy, bound=cfg.bound, tail_bound=cfg.tail_bound,
