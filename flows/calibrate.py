@@ -16,11 +16,12 @@ from typing import Any
 
 from prefect import flow
 
-from servegate.calibrate import (CalibrationPlan, CalibrationRun, analyse, analyse_paired, figures_records,
-                                 format_calibration, measured_tables, measurement_seconds, run_config, schedule,
-                                 summarise, summarise_paired)
+from servegate.calibrate import (RUNS_FILE, CalibrationPlan, CalibrationRun, analyse, analyse_paired,
+                                 figures_records, format_calibration, measurement_seconds, previous_runs,
+                                 remaining_schedule, run_config, summarise, summarise_paired, write_setup)
 from servegate import jsonio
 from servegate.config import GateConfig
+from servegate.errors import ConfigError
 from servegate.flows.gate import regression_gate
 from servegate.runstate import resolve_config
 from servegate.results import RunFolder
@@ -41,16 +42,20 @@ def _load_run(index: int, slowdown_pct: float, result: dict[str, Any], plan: Cal
         logger.warning("calibration run %d (%s) was inconclusive, left out: %s", index, run.label,
                        "; ".join(result["verdict"]["infra_errors"])[:500])
         return run
-    run.tables = {name: folder.read_table(name) for name in measured_tables(plan.mode) if folder.has_table(name)}
+    run.read_tables(plan.mode)
     return run
 
 
 @flow(name="calibrate-gate", log_prints=False, validate_parameters=True)
 def calibrate_gate(config: GateConfig | None = None, profile: str | None = None, overrides: list[str] | None = None,
                    plan: dict[str, Any] | None = None, output_dir: str | None = None,
-                   record: bool = True) -> dict[str, Any]:
+                   record: bool = True, resume: bool = False) -> dict[str, Any]:
     """Run the calibration plan (:class:`CalibrationPlan` fields) for a gate key; record and
     return its figures. The gate is a full ``config`` or a ``profile`` plus ``overrides``.
+
+    ``resume``: continue the calibration in ``output_dir`` (one that was stopped, or one whose plan
+    grows): its runs count, only the runs the plan still lacks are made, and the figures are those
+    of all of them. The same gate config and plan are required (only the numbers of runs may grow).
 
     Returns ``{"key", "calibration_dir", "calibration_id", "plan", "summary", "figures"}``
     (figures as JSON records: one per metric, case and bound; in paired mode one per gated metric
@@ -58,18 +63,26 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
     """
     config = resolve_config(config, profile, overrides)
     the_plan = CalibrationPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in (plan or {}).items()})
+    if resume and not output_dir:
+        raise ConfigError("resuming a calibration needs the folder it is in (--output-dir)")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(output_dir) if output_dir else Path(config.output_dir) / f"calibration-{config.name}-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
-    runs: list[CalibrationRun] = []
+    runs: list[CalibrationRun] = previous_runs(out, config, the_plan, resume=resume)
+    if not resume:
+        out.mkdir(parents=True, exist_ok=True)
+        write_setup(out, config, the_plan)
     key = GateKey.from_run({}, config.model_dump(mode="json", by_alias=True))  # what each run's manifest records
-    order = schedule(the_plan)
-    for index, pct in enumerate(order):
-        logger.info("calibration run %d/%d: %s", index + 1, len(order), "A (unchanged)" if not pct else f"+{pct:g}%")
+    order = remaining_schedule(the_plan, runs)
+    if runs:
+        logger.info("resuming the calibration in %s: %d run(s) made, %d to go", out, len(runs), len(order))
+    total = len(runs) + len(order)
+    for pct in order:
+        index = len(runs)
+        logger.info("calibration run %d/%d: %s", index + 1, total, "A (unchanged)" if not pct else f"+{pct:g}%")
         result = regression_gate(config=run_config(config, pct, out / "runs", the_plan.mode))
         run = _load_run(index, pct, result, the_plan)
         runs.append(run)
-        (out / "runs.json").write_text(jsonio.dumps([r.record() for r in runs], indent=True))
+        (out / RUNS_FILE).write_text(jsonio.dumps([r.record() for r in runs], indent=True))
     if the_plan.mode == "paired":
         figures, decisions = analyse_paired(runs, the_plan)
         summary = summarise_paired(runs, figures, decisions, the_plan)

@@ -38,6 +38,14 @@ of later gate runs of the key uses ``run_sd`` and attaches ``false_alarm_upper95
 ``min_detectable`` to each comparison row, and the verdict carries the calibration summary.
 Calibration runs themselves go to their own run folders and are not recorded as gate history.
 
+**Resuming.** A calibration takes hours. Its folder holds ``calibration-setup.json`` (the gate
+config, secrets redacted, and the plan; written before the first run) and ``runs.json`` (every run
+made so far, rewritten after each). ``servegate calibrate ... --output-dir DIR --resume`` continues
+it: the runs made count (their tables are read again from their folders), only the runs the plan
+still lacks are made, in the plan's order (:func:`remaining_schedule`), and the figures are those of
+all of them. It refuses another gate config or plan (only the numbers of runs may grow) and a new
+calibration over an existing one, before anything runs (:func:`previous_runs`).
+
 **Paired mode** (``CalibrationPlan.mode == "paired"``, ``servegate calibrate --paired``): each run
 is one decision of the config's ``paired`` stage (its own baseline and candidate workers, rounds
 until decided or out of budget; the other measurement stages are off), made by the same gate
@@ -67,8 +75,9 @@ and every decision (verdict, per-metric decision, ratio, interval, rounds, secon
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +99,9 @@ __all__ = [
     "CalibrationPlan",
     "CalibrationRun",
     "schedule",
+    "remaining_schedule",
+    "previous_runs",
+    "write_setup",
     "run_config",
     "analyse",
     "summarise",
@@ -133,9 +145,31 @@ class CalibrationRun:
         return "A" if self.slowdown_pct == 0 else f"+{self.slowdown_pct:g}%"
 
     def record(self) -> dict[str, Any]:
-        """The run as calibration records it (``runs.json``, the summary's ``runs``)."""
+        """The run as calibration records it (``runs.json``, the summary's ``runs``). ``kept``: its
+        tables count (a run that broke is left out of the figures)."""
         return {"index": self.index, "slowdown_pct": self.slowdown_pct, "status": self.status,
-                "run_dir": self.run_dir, "measurement_s": self.measurement_s}
+                "run_dir": self.run_dir, "measurement_s": self.measurement_s, "kept": bool(self.tables)}
+
+    def read_tables(self, mode: CalibrationMode) -> None:
+        """Read the tables the analysis of ``mode`` needs from the run's folder."""
+        from servegate.results import RunFolder
+
+        folder = RunFolder.open(self.run_dir)
+        self.tables = {name: folder.read_table(name) for name in measured_tables(mode) if folder.has_table(name)}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], mode: CalibrationMode) -> "CalibrationRun":
+        """A run of an earlier invocation (``runs.json``), its tables read again when they counted."""
+        run = cls(int(record["index"]), float(record["slowdown_pct"]), run_dir=str(record["run_dir"]),
+                  status=str(record["status"]), measurement_s=float(record["measurement_s"]))
+        if record.get("kept"):
+            try:
+                run.read_tables(mode)
+            except (ConfigError, OSError) as exc:
+                raise ConfigError(f"calibration run {run.index} ({run.label}) cannot be read again from "
+                                  f"{run.run_dir}: {exc}. Its folder must stay where the calibration put it "
+                                  f"to resume; or start a new calibration in another --output-dir") from exc
+        return run
 
 
 def schedule(plan: CalibrationPlan) -> list[float]:
@@ -150,6 +184,87 @@ def schedule(plan: CalibrationPlan) -> list[float]:
         if r < plan.runs_per_slowdown:
             order.extend(float(p) for p in plan.slowdowns_pct)
     return order
+
+
+def remaining_schedule(plan: CalibrationPlan, done: Sequence[CalibrationRun]) -> list[float]:
+    """The plan's schedule less the runs already made (a resumed calibration): per arm, as many of
+    its entries as runs of it are done are dropped, first ones first, so the rest keeps its order."""
+    left = Counter(run.slowdown_pct for run in done)
+    todo = []
+    for pct in schedule(plan):
+        if left[pct] > 0:
+            left[pct] -= 1
+        else:
+            todo.append(pct)
+    return todo
+
+
+SETUP_FILE = "calibration-setup.json"
+"""A calibration folder's record of what it calibrates (the gate config, secrets redacted, and the
+plan), written before its first run: what ``--resume`` checks a continuation against."""
+RUNS_FILE = "runs.json"
+_UNMEASURED_FIELDS = ("output_dir", "store")
+"""Config fields that do not change what a calibration run measures (where it is written and
+recorded): a resumed calibration may differ in them."""
+_GROWABLE_PLAN_FIELDS = ("aa_runs", "slowdowns_pct", "runs_per_slowdown")
+
+
+def _setup(config: GateConfig, plan: CalibrationPlan) -> dict[str, Any]:
+    dump = config.model_dump(mode="json", by_alias=True)  # secrets redacted (servegate.config)
+    setup = {"config": {k: v for k, v in dump.items() if k not in _UNMEASURED_FIELDS}, "plan": asdict(plan)}
+    return jsonio.loads(jsonio.dumps(setup))  # as the file reads back (inf -> null): compared with it
+
+
+def _differences(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new), key=str)
+                for d in _differences(old.get(k), new.get(k), f"{path}.{k}" if path else str(k))]
+    return [] if old == new else [f"{path or 'value'} ({old!r} then, {new!r} now)"]
+
+
+def write_setup(out: Path, config: GateConfig, plan: CalibrationPlan) -> None:
+    """Record what the calibration in ``out`` calibrates, for a later ``--resume``."""
+    (out / SETUP_FILE).write_text(jsonio.dumps(_setup(config, plan), indent=True), encoding="utf-8")
+
+
+def previous_runs(out: Path, config: GateConfig, plan: CalibrationPlan, *, resume: bool) -> list[CalibrationRun]:
+    """The runs an earlier invocation made in ``out`` that this one continues from (``resume``).
+
+    Refuses (:class:`ConfigError`, before any run) to write a new calibration over an existing
+    one, to resume a folder that holds none, and to resume with another gate config or plan than
+    the calibration was started with: only the number of decisions may grow (more A/A runs, more
+    runs per slowdown, another slowdown), so that the figures stay those of one calibration."""
+    setup_file, runs_file = out / SETUP_FILE, out / RUNS_FILE
+    if not resume:
+        if setup_file.exists() or runs_file.exists():
+            raise ConfigError(f"{out} already holds a calibration ({RUNS_FILE if runs_file.exists() else SETUP_FILE}); "
+                              f"continue it with --resume, or give another --output-dir")
+        return []
+    if not setup_file.is_file():
+        raise ConfigError(f"nothing to resume in {out}: it has no {SETUP_FILE} (every calibration writes it before "
+                          f"its first run); start one there without --resume")
+    try:
+        saved = jsonio.loads(setup_file.read_text(encoding="utf-8"))
+        records = jsonio.loads(runs_file.read_text(encoding="utf-8")) if runs_file.is_file() else []
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the calibration to resume in {out}: {exc}") from exc
+    now = _setup(config, plan)
+    changed = _differences(saved.get("config"), now["config"])
+    changed += [d for d in _differences(saved.get("plan"), now["plan"])
+                if d.split(" ", 1)[0] not in _GROWABLE_PLAN_FIELDS]
+    if changed:
+        raise ConfigError(f"the calibration in {out} was started with another gate config or plan; it differs in "
+                          f"{'; '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Resume it with the same "
+                          f"profile, --set options and --paired as it was started with (only --aa-runs, --slowdowns "
+                          f"and --runs-per-slowdown may grow), or start a new one in another --output-dir")
+    runs = [CalibrationRun.from_record(r, plan.mode) for r in records]
+    planned = {0.0, *plan.slowdowns_pct}
+    stray = sorted({r.slowdown_pct for r in runs} - planned)
+    if stray:
+        raise ConfigError(f"the calibration in {out} has runs with slowdowns {[f'{p:g}' for p in stray]} that this "
+                          f"plan ({[f'{p:g}' for p in plan.slowdowns_pct]}) leaves out; name them in --slowdowns "
+                          f"to resume it")
+    return runs
 
 
 def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path,

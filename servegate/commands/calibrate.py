@@ -56,6 +56,10 @@ def add_arguments(subparsers: Any) -> None:
     p.add_argument("--baseline-n", type=int, default=None,
                    help="A runs each comparison pools (default: the config's compare.n)")
     p.add_argument("--output-dir", help="calibration folder (default <output_dir>/calibration-<gate>-<time>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the calibration in --output-dir (stopped, or with more runs asked for): its runs "
+                        "count and only the ones the plan still lacks are made; the same profile and --set options "
+                        "are required, --aa-runs, --slowdowns and --runs-per-slowdown may grow")
     p.add_argument("--db", metavar="URL", help="history database to record the calibration in (default $SERVEGATE_DB)")
     p.add_argument("--no-record", action="store_true", help="print the figures without recording them")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
@@ -89,12 +93,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     plan = _plan(args, config.compare.n)
     for pct in (0.0, *plan.slowdowns_pct):  # refuse a plan that cannot run before the first run, not after it
         run_config(config, pct, Path(config.output_dir), plan.mode)
+    if args.resume and not args.output_dir:
+        raise ConfigError("--resume continues the calibration in --output-dir: name that folder")
+    if args.output_dir:  # nor overwrite a calibration, or resume one with another config, after a Prefect start
+        from servegate.calibrate import previous_runs
+
+        previous_runs(Path(args.output_dir), config, plan, resume=args.resume)
 
     from servegate.flows.calibrate import calibrate_gate
     from servegate.runstate import call_flow
 
     doc = call_flow(calibrate_gate, config, plan=plan.as_dict(), output_dir=args.output_dir,
-                    record=not args.no_record)
+                    record=not args.no_record, resume=args.resume)
     if args.json:
         print(jsonio.dumps(doc, indent=True, ascii_only=True))
     else:

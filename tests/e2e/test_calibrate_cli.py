@@ -104,13 +104,25 @@ def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(t
     # 2.32] stayed undecided.
     # No confirmation (paired.confirm, on in smoke-ab): a second measurement with fresh workers would only
     # make the detected slowdown's decision longer; calibration runs it like any gate (tests/e2e/test_paired_gate).
+    # The calibration is made in two invocations, as a stopped one is continued: the A/A decision,
+    # then `--resume` with the slowdown added, which makes only that decision and reports both.
     out = tmp_path / "calibration"
     sets = ["paired.min_rounds=3", "paired.min_units=3", "paired.max_measure_s=180", "paired.bound=0.05",
             "paired.rounds_per_worker=1000", "paired.confirm=false"]
-    proc = subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired",
-                           "--aa-runs", "1", "--slowdowns", "100", "--runs-per-slowdown", "1", "--output-dir",
-                           str(out), "--json", *[a for s in sets for a in ("--set", s)]],
-                          cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=840)
+
+    def calibrate(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired",
+                               "--aa-runs", "1", *args, "--output-dir", str(out), "--json",
+                               *[a for s in sets for a in ("--set", s)]],
+                              cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=840)
+
+    first = calibrate("--slowdowns", "")
+    assert first.returncode == 0, f"{first.stdout[-3000:]}\n{first.stderr[-4000:]}"
+    first_runs = stdout_json(first)["summary"]["runs"]
+    assert [r["slowdown_pct"] for r in first_runs] == [0]
+    again = calibrate("--slowdowns", "100", "--runs-per-slowdown", "1")  # not --resume: the folder is taken
+    assert again.returncode == 2 and "already holds a calibration" in again.stderr and "--resume" in again.stderr
+    proc = calibrate("--slowdowns", "100", "--runs-per-slowdown", "1", "--resume")
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     doc = stdout_json(proc)
     assert doc["key"] == "smoke-ab/embedded/cpu-2core/smollm2-135m" and doc["plan"]["mode"] == "paired"
@@ -118,6 +130,8 @@ def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(t
     assert summary["mode"] == "paired" and summary["bound"] == 0.05 and summary["left_out"] == 0
     aa_run, slow_run = summary["runs"]
     assert (aa_run["slowdown_pct"], slow_run["slowdown_pct"]) == (0, 100)
+    assert aa_run["run_dir"] == first_runs[0]["run_dir"] and aa_run["gate_decision"] == first_runs[0]["gate_decision"]
+    assert len([p for p in (out / "runs").iterdir() if p.is_dir()]) == 2  # the resumed calibration made the slowdown decision only
     assert slow_run["gate_decision"] == "regression" and slow_run["status"] == "fail", slow_run
     assert aa_run["gate_decision"] != "regression", aa_run
     for run in (aa_run, slow_run):

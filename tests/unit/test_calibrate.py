@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,8 @@ import pytest
 from scipy.stats import beta
 
 from servegate.calibrate import (SLOWDOWN_FLAG, CalibrationPlan, CalibrationRun, analyse, format_calibration,
-                                 measurement_seconds, run_config, schedule, summarise)
+                                 measurement_seconds, previous_runs, remaining_schedule, run_config, schedule,
+                                 summarise, write_setup)
 from servegate.compare import calibration_figures, calibration_summary, compare_run, compare_tables
 from servegate.config import load_config
 from servegate.errors import ConfigError, InfraError
@@ -301,3 +304,74 @@ def test_a_stored_paired_calibration_reads_as_one(tmp_path: Path) -> None:
     assert carried["aa_runs"] == 3 and carried["gate_false_alarms_at_bound"]["false_alarms"] == 1
     assert "3 A/A" in calibration_text(carried)
 
+
+
+# ---- resuming a calibration ------------------------------------------------------------------------
+def test_a_resumed_plan_runs_only_what_is_missing_in_the_plan_s_order() -> None:
+    plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0,), runs_per_slowdown=3, mode="paired")
+    assert schedule(plan) == [0, 3, 0, 3, 0, 3]
+    done = [CalibrationRun(0, 0.0), CalibrationRun(1, 3.0), CalibrationRun(2, 0.0)]
+    assert remaining_schedule(plan, done) == [3, 0, 3]
+    assert remaining_schedule(plan, []) == schedule(plan)
+    grown = CalibrationPlan(aa_runs=4, slowdowns_pct=(3.0, 5.0), runs_per_slowdown=3, mode="paired")
+    assert remaining_schedule(grown, done) == [5, 3, 5, 0, 3, 5, 0]
+    assert remaining_schedule(plan, done + [CalibrationRun(3, 3.0), CalibrationRun(4, 0.0),
+                                            CalibrationRun(5, 3.0)]) == []
+
+
+def _stopped_calibration(out: Path, config, plan: CalibrationPlan) -> list[dict]:
+    """A calibration folder as one stopped after two runs leaves it: its setup, a kept A/A decision with
+    its run folder, and a broken slowdown decision (left out)."""
+    from servegate import jsonio
+    from servegate.results import RunFolder
+
+    out.mkdir()
+    write_setup(out, config, plan)
+    folder = RunFolder.create(out / "runs", config.name)
+    folder.write_table("paired", _paired_table((1.002, 0.99, 1.012), "no_change", 20, 180.0))
+    records = [CalibrationRun(0, 0.0, run_dir=str(folder.path), status="pass", measurement_s=180.0,
+                              tables={"paired": pd.DataFrame()}).record(),
+               CalibrationRun(1, 3.0, run_dir=str(out / "runs" / "gone"), status="inconclusive",
+                              measurement_s=12.0).record()]
+    assert [r["kept"] for r in records] == [True, False]
+    (out / "runs.json").write_text(jsonio.dumps(records, indent=True))
+    return records
+
+
+def test_a_stopped_calibration_resumes_with_its_runs_and_their_tables(tmp_path: Path) -> None:
+    config = load_config(profile="smoke-ab")
+    plan = CalibrationPlan(aa_runs=2, slowdowns_pct=(3.0,), runs_per_slowdown=2, mode="paired")
+    out = tmp_path / "cal"
+    _stopped_calibration(out, config, plan)
+    # More decisions and another store may be asked for; the runs so far count.
+    more = CalibrationPlan(aa_runs=5, slowdowns_pct=(3.0,), runs_per_slowdown=2, mode="paired")
+    elsewhere = load_config(profile="smoke-ab", overrides=["store.url=sqlite:////elsewhere.db", "output_dir=/x"])
+    runs = previous_runs(out, elsewhere, more, resume=True)
+    assert [(r.index, r.slowdown_pct, r.status) for r in runs] == [(0, 0.0, "pass"), (1, 3.0, "inconclusive")]
+    assert list(runs[0].tables) == ["paired"] and runs[0].tables["paired"]["decision"].iloc[0] == "no_change"
+    assert runs[1].tables == {}  # broken: still left out of the figures, not re-run
+    assert remaining_schedule(more, runs) == [0, 3, 0, 0, 0]
+
+
+def test_resume_refuses_what_would_mix_two_calibrations_before_running_anything(tmp_path: Path) -> None:
+    config = load_config(profile="smoke-ab")
+    plan = CalibrationPlan(aa_runs=2, slowdowns_pct=(3.0,), runs_per_slowdown=2, mode="paired")
+    out = tmp_path / "cal"
+    with pytest.raises(ConfigError, match="nothing to resume in .*calibration-setup.json"):
+        previous_runs(out, config, plan, resume=True)
+    assert previous_runs(out, config, plan, resume=False) == []  # a new calibration: nothing there yet
+    _stopped_calibration(out, config, plan)
+    with pytest.raises(ConfigError, match="already holds a calibration .*--resume"):
+        previous_runs(out, config, plan, resume=False)
+    other = load_config(profile="smoke-ab", overrides=["paired.bound=0.03"])
+    with pytest.raises(ConfigError, match=r"differs in paired.bound \(0.015 then, 0.03 now\)"):
+        previous_runs(out, other, plan, resume=True)
+    with pytest.raises(ConfigError, match=r"differs in mode \('paired' then, 'history' now\)"):
+        previous_runs(out, config, CalibrationPlan(aa_runs=2, slowdowns_pct=(3.0,)), resume=True)
+    with pytest.raises(ConfigError, match=r"slowdowns \['3'\] that this plan \(\['5'\]\) leaves out"):
+        previous_runs(out, config, CalibrationPlan(aa_runs=2, slowdowns_pct=(5.0,), mode="paired"), resume=True)
+    # A kept run's folder must still be there: its tables are the calibration's figures.
+    records = json.loads((out / "runs.json").read_text())
+    shutil.rmtree(records[0]["run_dir"])
+    with pytest.raises(ConfigError, match="calibration run 0 \\(A\\) cannot be read again"):
+        previous_runs(out, config, plan, resume=True)
