@@ -58,7 +58,8 @@ from servegate.errors import (ConfigError, ServerUnreachableError, StageError, W
 from servegate.http import make_session
 from servegate.proctree import end_session, exit_on_sigterm, guard_process_tree, watch_group
 
-__all__ = ["WorkerHandle", "MemoryHighWater", "launch_worker", "start_early", "discard_early", "free_port"]
+__all__ = ["WorkerHandle", "MemoryHighWater", "launch_worker", "start_worker", "start_early", "discard_early",
+           "free_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,10 @@ refused connection."""
 PROBE_TIMEOUT_S = 30.0
 """Longest single readiness probe (SGLang's /health_generate runs a 1-token generate)."""
 FIRST_BACKOFF_S = 0.1
-MAX_BACKOFF_S = 2.0
+MAX_BACKOFF_S = 0.5
+"""Readiness probes back off from 0.1 s to at most this: a worker is seen ready within half a second
+(at 2 s, a 5-7 s start-up was seen up to 2 s late: every paired restart, every gate's launch, paid it).
+A probe of a server still starting is a refused connection: cheap at any rate."""
 
 
 MEMORY_SAMPLE_S = 0.5
@@ -293,6 +297,17 @@ class WorkerHandle:
             f"see the log {self.log_path}; log tail:\n{self.log_tail()}"
         )
 
+    def wait_ready(self) -> None:
+        """Wait until a worker :func:`start_worker` started is ready; stop it and raise what made it
+        fail (exit, OOM kill, not ready within ``ready_timeout_s``, a signal while waiting)."""
+        if self._ready_watch is None:  # attached: probed ready when attached
+            return
+        try:
+            self._ready_watch.result()
+        except BaseException:
+            self.stop()
+            raise
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """End the whole process tree (SIGTERM, wait ``timeout_s``, SIGKILL). Idempotent."""
         with self._stop_lock:
@@ -392,7 +407,18 @@ def _wait_ready(handle: WorkerHandle, session: requests.Session, timeout_s: floa
 
 def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | None = None,
                   engine: Engine | None = None) -> WorkerHandle:
-    """Start the worker ``spec`` describes and wait until it is ready.
+    """Start the worker ``spec`` describes and wait until it is ready: :func:`start_worker`, then
+    :meth:`WorkerHandle.wait_ready`."""
+    handle = start_worker(spec, log_path, ready_timeout_s=ready_timeout_s, engine=engine)
+    handle.wait_ready()
+    return handle
+
+
+def start_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | None = None,
+                 engine: Engine | None = None) -> WorkerHandle:
+    """Start the worker ``spec`` describes, without waiting for it to be ready
+    (:meth:`WorkerHandle.wait_ready` waits): several workers start up side by side this way (the
+    paired stage's two), each known to the caller's teardown from its start.
 
     ``spec.port == 0`` picks a free port. The worker's stdout and stderr go to ``log_path``
     (appended; the command line, API key redacted, is written first). An engine that does not
@@ -405,8 +431,9 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     is probed from the process's start, in a thread (``_ReadyWatch``), so ``startup_s`` and
     ``ready_timeout_s`` count from its real start, an adopted one's too.
 
-    Raises ``WorkerOOMError`` (SIGKILL during start-up), ``WorkerLaunchError`` (other exit,
-    not ready in time, executable missing), ``ConfigError`` (bad timeout).
+    Raises ``WorkerLaunchError`` (executable missing; an external server not ready in time) and
+    ``ConfigError`` (bad timeout); :meth:`WorkerHandle.wait_ready` raises ``WorkerOOMError`` (SIGKILL
+    during start-up) and ``WorkerLaunchError`` (other exit, not ready in time).
     """
     timeout_s = spec.ready_timeout_s if ready_timeout_s is None else ready_timeout_s
     if isinstance(timeout_s, bool) or math.isnan(timeout_s) or math.isinf(timeout_s) or timeout_s <= 0:
@@ -425,12 +452,6 @@ def launch_worker(spec: WorkerSpec, log_path: Path, *, ready_timeout_s: float | 
     if handle is None:
         handle = _start(spec, engine, log_path, timeout_s)
     handle.launch_note = note
-    try:
-        assert handle._ready_watch is not None  # every started handle has one
-        handle._ready_watch.result()
-    except BaseException:
-        handle.stop()
-        raise
     return handle
 
 

@@ -136,35 +136,45 @@ class PairedMeasurement:
         """What the stage should say besides its tables (a profile that could not be recorded)."""
 
     # -- workers ------------------------------------------------------------------------------
-    def _launch(self, side: _Side) -> None:
-        from servegate.bench.datasets import load_prompt_tokenizer
-        from servegate.bench.protocol import protocol_for
-        from servegate.bench.warmup import run_warmup
-        from servegate.launch import launch_worker
+    def _start(self, side: _Side) -> None:
+        """Start ``side``'s worker process without waiting for it (:meth:`start_instances` waits)."""
+        from servegate.launch import start_worker
 
         engine = get_engine(side.spec.engine)
         spec = engine.with_profiler(side.spec, self.trace_dir(side.name)) if self.profiling else side.spec
-        t0 = time.perf_counter()
         try:
-            side.handle = launch_worker(spec, side.log)
+            side.handle = start_worker(spec, side.log)
         except WorkerLaunchError as exc:
             raise type(exc)(did_not_start(side.name) + str(exc)) from exc
         self.register(side.handle)
-        launched = time.perf_counter() - t0
-        api_key = side.spec.api_key_value()
+
+    def _ready(self, side: _Side) -> dict[str, Any]:
+        """Wait for ``side``'s started worker, warm it up; its ``paired_workers`` row."""
+        from servegate.bench.datasets import load_prompt_tokenizer
+        from servegate.bench.protocol import protocol_for
+        from servegate.bench.warmup import run_warmup
+
+        handle = side.handle  # this thread's own reference: a failure elsewhere clears side.handle
+        assert handle is not None
+        engine = get_engine(side.spec.engine)
+        try:
+            handle.wait_ready()
+        except WorkerLaunchError as exc:
+            raise type(exc)(did_not_start(side.name) + str(exc)) from exc
+        launched = handle.startup_s if handle.startup_s is not None else time.perf_counter() - handle.started
+        t0 = time.perf_counter()
         if self.config.warmup.enabled:
-            run_warmup(side.handle.base_url, engine, self.config.warmup, api_key=api_key)
-        warmed = time.perf_counter() - t0 - launched
+            run_warmup(handle.base_url, engine, self.config.warmup, api_key=side.spec.api_key_value())
+        warmed = time.perf_counter() - t0
         if side.tokenizer is None and protocol_for(engine, self.config.serving.protocol).needs_text_prompts:
             side.tokenizer = load_prompt_tokenizer(side.spec.model)
-        self.workers.append({
+        return {
             "side": side.name, "instance": self.instance, "engine": side.spec.engine, "model": side.spec.model,
             "python": resolve_engine_python(side.spec.python) if side.spec.python else None,
             # The build's own arguments: the profiler's (paired.profile) are the gate's instrument, not the build's.
             "extra_args": json.dumps(side.spec.extra_args),
-            "cpus": json.dumps(side.spec.cpus), "pid": side.handle.pid, "launch_s": round(launched, 3),
-            "warmup_s": round(warmed, 3)})
-        self.tables["paired_workers"] = pd.DataFrame(self.workers, columns=PAIRED_WORKER_COLUMNS)
+            "cpus": json.dumps(side.spec.cpus), "pid": handle.pid, "launch_s": round(launched, 3),
+            "warmup_s": round(warmed, 3)}
 
     def _stop_all(self) -> None:
         for side in self.sides.values():
@@ -175,6 +185,9 @@ class PairedMeasurement:
     def start_instances(self) -> None:
         """(Re)launch both workers: a new instance of each, warmed up.
 
+        Both start up side by side (a restart costs the slower of the two start-ups, not their sum)
+        and are warmed up side by side; neither is measured until both are ready and warm.
+
         In duet mode with a CPU set per side, every other instance pair swaps the sets: two cores
         are not alike (the one that also runs the load generator measured 8 % slower in an A/A duet
         here), and a fixed assignment would turn that into a ratio."""
@@ -184,8 +197,25 @@ class PairedMeasurement:
         if self.p.mode == "duet" and a.spec.cpus and b.spec.cpus and self.instance > 0:
             a.spec, b.spec = (a.spec.model_copy(update={"cpus": b.spec.cpus}),
                               b.spec.model_copy(update={"cpus": a.spec.cpus}))
-        for side in self.sides.values():
-            self._launch(side)
+        sides = [self.sides[name] for name in SIDES]
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(sides))
+        try:
+            for side in sides:
+                self._start(side)
+            # Wait in threads, each future's result in this thread (a signal still reaches it); on
+            # a failure or a signal both workers stop first, so a thread still waiting fails at once.
+            futures = [pool.submit(self._ready, side) for side in sides]
+            done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # the first failure, without waiting for the other side
+            rows = [f.result() for f in futures]
+        except BaseException:
+            self._stop_all()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+        self.workers.extend(rows)
+        self.tables["paired_workers"] = pd.DataFrame(self.workers, columns=PAIRED_WORKER_COLUMNS)
 
     def check_alive(self, grace_s: float = 0.0) -> None:
         """Raise :class:`WorkerDiedError` naming the side whose worker has exited. ``grace_s``: how long

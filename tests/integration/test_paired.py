@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from servegate.config import load_config
-from servegate.errors import StageError, WorkerDiedError
+from servegate.errors import StageError, WorkerDiedError, WorkerLaunchError
 from servegate.launch import launch_worker
 from servegate.paired.rounds import PairedMeasurement
 from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
@@ -80,6 +80,11 @@ def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_pa
     assert all("--fault-decode-slowdown-pct" in json.loads(a) for a in candidate["extra_args"])
     assert all(json.loads(a) == [] for a in baseline["extra_args"])
     assert (workers["launch_s"] > 0).all()
+    # Both workers of an instance pair start up side by side: the candidate's process starts before the
+    # baseline's is ready (a restart costs the slower start-up, not the sum of both).
+    for a, b in zip(launched[::2], launched[1::2]):
+        assert (a.spec.extra_args, b.spec.extra_args[:1]) == ([], ["--fault-decode-slowdown-pct"])
+        assert a.started < b.started < a.started + a.startup_s
     # Every instance was stopped: restarts and the end of the measurement leave nothing running.
     assert not any(h.is_alive() for h in launched)
     assert (tmp_path / "baseline-worker.log").is_file() and (tmp_path / "worker.log").is_file()
@@ -108,6 +113,7 @@ def test_duet_mode_pins_each_worker_to_its_cpus(tmp_path: Path):
     seen: dict[int, list[int]] = {}
 
     def register(handle):
+        handle.wait_ready()  # registered as it starts: its threads are there once it is ready
         proc = psutil.Process(handle.pid)
         # every thread of the worker's tree, not only its main thread
         seen[handle.pid] = sorted({c for p in [proc, *proc.children(recursive=True)] for t in p.threads()
@@ -146,6 +152,25 @@ def test_a_worker_that_dies_fails_the_measurement_and_leaves_nothing(tmp_path: P
     assert not any(h.is_alive() for h in launched)
     # What was measured before the crash is kept (the stage writes it as .partial).
     assert "paired_workers" in tables
+
+
+def test_a_worker_that_does_not_start_stops_the_other_while_it_starts_up(tmp_path: Path):
+    launched: list = []
+    tables: dict = {}
+    # The candidate's arguments are refused at once (argparse, exit 2) while the baseline is still
+    # starting up side by side with it: the error names the candidate, and the baseline is stopped
+    # without being waited for.
+    m = PairedMeasurement(_config('worker.extra_args=["--no-such-option"]'), tmp_path, register=launched.append,
+                          tables=tables)
+    with pytest.raises(WorkerLaunchError) as info:
+        m.run()
+    assert str(info.value).startswith("the candidate worker did not start: "), str(info.value)
+    assert "exited during start-up with exit code 2" in str(info.value)
+    assert [h.spec.extra_args for h in launched] == [[], ["--no-such-option"]]
+    assert not any(h.is_alive() for h in launched)
+    baseline = launched[0]
+    assert baseline.startup_s is None  # stopped while it started up: never ready, never waited for
+    assert "paired_workers" not in tables
 
 
 def test_a_round_with_a_failed_request_fails_the_measurement_and_says_why(tmp_path: Path):
