@@ -128,8 +128,11 @@ PAIRED_ROUND_COLUMNS: Final = [
 """``paired_rounds``: per round and metric, A's (baseline) and B's (candidate) block values and the
 interval as it stood after that round."""
 PAIRED_WORKER_COLUMNS: Final = ["side", "instance", "engine", "model", "python", "extra_args", "cpus", "pid",
-                                "launch_s", "warmup_s"]
-"""``paired_workers``: every worker instance the paired stage launched (provenance and cost)."""
+                                "launch_s", "warmup_s", "pair_s"]
+"""``paired_workers``: every worker instance the paired stage launched (provenance and cost): ``launch_s``
+from its process's start to ready, ``warmup_s`` its warm-up; ``pair_s`` the wall time its instance pair
+took, from stopping the previous pair to both ready and warm (the two start up side by side): what a
+restart costs the measurement, the same on both rows of a pair."""
 PAIRED_PROFILE_COLUMNS: Final = ["side", "engine", "status", "traces", "trace_bytes", "requests", "profile_s",
                                  "itl_median_ms", "reason"]
 """``paired_profiles`` (``paired.profile``, after a confirmed regression): one row per side, ``status``

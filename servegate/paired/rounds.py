@@ -182,8 +182,9 @@ class PairedMeasurement:
                 side.handle.stop()
                 side.handle = None
 
-    def start_instances(self) -> None:
-        """(Re)launch both workers: a new instance of each, warmed up.
+    def start_instances(self) -> float:
+        """(Re)launch both workers: a new instance of each, warmed up; the seconds it took (the previous
+        pair's stop included: what a restart costs the measurement).
 
         Both start up side by side (a restart costs the slower of the two start-ups, not their sum)
         and are warmed up side by side; neither is measured until both are ready and warm.
@@ -191,6 +192,7 @@ class PairedMeasurement:
         In duet mode with a CPU set per side, every other instance pair swaps the sets: two cores
         are not alike (the one that also runs the load generator measured 8 % slower in an A/A duet
         here), and a fixed assignment would turn that into a ratio."""
+        t0 = time.perf_counter()
         self._stop_all()
         self.instance += 1
         a, b = self.sides["baseline"], self.sides["candidate"]
@@ -214,8 +216,10 @@ class PairedMeasurement:
             raise
         finally:
             pool.shutdown(wait=True)
-        self.workers.extend(rows)
+        took = time.perf_counter() - t0
+        self.workers.extend({**row, "pair_s": round(took, 3)} for row in rows)
         self.tables["paired_workers"] = pd.DataFrame(self.workers, columns=PAIRED_WORKER_COLUMNS)
+        return took
 
     def check_alive(self, grace_s: float = 0.0) -> None:
         """Raise :class:`WorkerDiedError` naming the side whose worker has exited. ``grace_s``: how long
@@ -496,9 +500,7 @@ class PairedMeasurement:
         """One measurement: fresh instances of both workers, rounds until :func:`stop_reason` says
         stop (counting this measurement's rounds and time only)."""
         first_round = len(self.rounds)
-        t0 = time.perf_counter()
-        self.start_instances()
-        self.restart_s.append(time.perf_counter() - t0)  # what a restart is expected to cost
+        self.restart_s.append(self.start_instances())  # what a restart is expected to cost
         self.started = self.clock()
         while True:
             r = len(self.rounds) - first_round
@@ -509,9 +511,7 @@ class PairedMeasurement:
                 self.stopped_because = reason
                 return
             if restart:
-                t0 = time.perf_counter()
-                self.start_instances()
-                self.restart_s.append(time.perf_counter() - t0)
+                self.restart_s.append(self.start_instances())
             self.measure_round()
             self.publish()
 

@@ -85,6 +85,11 @@ def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_pa
     for a, b in zip(launched[::2], launched[1::2]):
         assert (a.spec.extra_args, b.spec.extra_args[:1]) == ([], ["--fault-decode-slowdown-pct"])
         assert a.started < b.started < a.started + a.startup_s
+    # A pair's wall time (what a restart costs) is less than its two start-ups and warm-ups one after the other.
+    pairs = workers.groupby("instance").agg(pair_s=("pair_s", "first"), launch_s=("launch_s", "sum"),
+                                            warmup_s=("warmup_s", "sum"), sides=("side", "nunique"))
+    assert (pairs["sides"] == 2).all() and (pairs["pair_s"] >= workers.groupby("instance")["launch_s"].max()).all()
+    assert (pairs["pair_s"] < pairs["launch_s"] + pairs["warmup_s"]).all(), pairs.to_string()
     # Every instance was stopped: restarts and the end of the measurement leave nothing running.
     assert not any(h.is_alive() for h in launched)
     assert (tmp_path / "baseline-worker.log").is_file() and (tmp_path / "worker.log").is_file()
