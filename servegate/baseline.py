@@ -22,12 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servegate.errors import ConfigError
 from servegate.history import GateKey, RunRecord, Store
+
+if TYPE_CHECKING:  # pragma: no cover
+    from servegate.config import CompareConfig
 
 __all__ = [
     "BaselinePolicy",
@@ -60,6 +63,11 @@ class BaselinePolicy(BaseModel):
         if self.kind == "window" and self.days is None:
             raise ValueError("baseline kind 'window' needs days (e.g. days = 14)")
         return self
+
+    @classmethod
+    def of(cls, compare: "CompareConfig") -> "BaselinePolicy":
+        """The policy a gate config's ``[compare]`` section names."""
+        return cls(kind=compare.policy, n=compare.n, branch=compare.branch, days=compare.days)
 
     def describe(self) -> str:
         if self.kind == "last_n":

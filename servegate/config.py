@@ -24,7 +24,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, FieldSerializationInfo,
@@ -32,9 +32,6 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from servegate.budgets import BUDGET_MODELS, MEMORY_PROFILES, EngineBudget, MemoryBudget, budget_fields_for
 from servegate.errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from servegate.baseline import BaselinePolicy
 
 __all__ = [
     "EngineName",
@@ -458,12 +455,6 @@ class CompareConfig(_Model):
         "history rule (as PyTorch HUD's policies): a gated metric is a regression only when this run and the "
         "consecutive-1 runs of the gate key before it all showed it regressed; fewer -> 'suspicious' "
         "(shown, and the gate is undecided, exit 2: never a pass). 1 = every regression counts at once"))
-
-    def baseline_policy(self) -> "BaselinePolicy":
-        """The ``servegate.baseline.BaselinePolicy`` these settings name (imported here, when needed)."""
-        from servegate.baseline import BaselinePolicy
-
-        return BaselinePolicy(kind=self.policy, n=self.n, branch=self.branch, days=self.days)
 
 
 class StoreConfig(_Model):

@@ -417,7 +417,7 @@ def build_report(store: Store, run_id: str, *, policy: BaselinePolicy | None = N
         recorded = (record.config or {}).get("compare") or {}
         # The fields this version knows (a run recorded by an older one may hold others); the rest default.
         cfg = CompareConfig.model_validate({k: v for k, v in recorded.items() if k in CompareConfig.model_fields})
-        comparison = compare_run(store, run_id, policy=policy or cfg.baseline_policy(), bound=cfg.bound,
+        comparison = compare_run(store, run_id, policy=policy or BaselinePolicy.of(cfg), bound=cfg.bound,
                                  tail_bound=cfg.tail_bound, consecutive=cfg.consecutive)
         baseline = dict(comparison.attrs.get("baseline", {}))
     else:

@@ -21,12 +21,13 @@ def compare(run: GateRun, measured: list[StageResult]) -> StageResult | State:
     cfg = run.config.compare
     if not cfg.enabled:
         return run.skipped(STAGE, "skipped", "disabled in config (compare.enabled = false)")
+    from servegate.baseline import BaselinePolicy
     from servegate.compare import compare_run
     from servegate.history import GateKey, Store
 
     tables = tables_of(measured)
     with run.stage(STAGE) as result:
-        policy = cfg.baseline_policy()
+        policy = BaselinePolicy.of(cfg)
         key = GateKey.from_run(run.folder.manifest.model_dump(mode="json"), run.config_snapshot())
         with Store(run.config.store.url) as store:
             table = compare_run(store, tables, key, policy=policy, bound=cfg.bound, tail_bound=cfg.tail_bound,
