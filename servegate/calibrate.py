@@ -249,9 +249,13 @@ def previous_runs(out: Path, config: GateConfig, plan: CalibrationPlan, *, resum
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read the calibration to resume in {out}: {exc}") from exc
     now = _setup(config, plan)
-    changed = _differences(saved.get("config"), now["config"])
-    changed += [d for d in _differences(saved.get("plan"), now["plan"])
-                if d.split(" ", 1)[0] not in _GROWABLE_PLAN_FIELDS]
+
+    def fixed(plan_fields: Any) -> Any:  # the plan less the numbers of runs, which may grow
+        return {k: v for k, v in plan_fields.items() if k not in _GROWABLE_PLAN_FIELDS} \
+            if isinstance(plan_fields, dict) else plan_fields
+
+    changed = (_differences(saved.get("config"), now["config"])
+               + _differences(fixed(saved.get("plan")), fixed(now["plan"])))
     if changed:
         raise ConfigError(f"the calibration in {out} was started with another gate config or plan; it differs in "
                           f"{'; '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Resume it with the same "
