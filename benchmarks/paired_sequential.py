@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p = config.paired
     print(f"paired rule of {args.profile}: gated {p.gated}, bound {p.bound:.1%}, confidence {p.confidence:.0%}, "
           f"min_rounds {p.min_rounds}, max_rounds {p.max_rounds}, max_measure_s {p.max_measure_s:g}, "
-          f"rounds_per_worker {p.rounds_per_worker}, sd_floor {p.sd_floor:g}, design_rounds {p.design_rounds}")
+          f"rounds_per_worker {p.rounds_per_worker}, sd_floor {p.sd_floor:g}")
     print(f"noise: round sd {args.round_sd:.1%}, instance sd {args.instance_sd:.1%}; clock: {args.block_s:g} s per "
           f"round, {args.restart_s:g} s per restart; {args.sims} decisions per scenario, seed {args.seed}")
     print(f"{'':69s} {'all decisions':>13} {'decided ones':>18}")
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{res['decided_rounds_median']:>6g} {res['decided_rounds_p90']:>4g} "
                   f"{res['decided_seconds_median']:>6.0f} {res['wall_s']:>6.0f}", flush=True)
     print(f"nominal: regression at a true ratio <= 1 + bound at most {(1 - p.confidence) / 2:.1%} (one side of "
-          f"the {p.confidence:.0%} sequence); the interval covers the true ratio at least {p.confidence:.0%}")
+          f"the {p.confidence:.0%} repeated interval); the interval covers the true ratio at least {p.confidence:.0%}")
     if args.json:
         print(json.dumps({"config": p.model_dump(mode="json"), "args": vars(args), "results": results}))
     return 0

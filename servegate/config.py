@@ -527,7 +527,7 @@ class PairedConfig(_Model):
     Each round measures one block of the same fresh prompts on A and on B back to back (ABBA
     order across rounds, or random), each from a flushed, idle worker; per metric the round's
     log ratio B/A is one sample, so drift between rounds cancels. Rounds go on until every gated
-    metric is decided (an anytime-valid confidence sequence over rounds, ``servegate.paired.stats``)
+    metric is decided (a group-sequential repeated confidence interval, ``servegate.paired.stats``)
     or ``max_measure_s`` / ``max_rounds`` is reached. Both workers are restarted every
     ``rounds_per_worker`` rounds so that process-level effects are sampled too.
     """
@@ -542,10 +542,13 @@ class PairedConfig(_Model):
     output_len: int = Field(64, ge=2, description="generated tokens per request (ignore_eos)")
     min_rounds: int = Field(10, ge=3, description="rounds before the first decision is looked at")
     min_units: int = Field(10, ge=3, description=(
-        "independent samples the interval must rest on before a decision: worker instance pairs when the "
-        "workers restart during the measurement (rounds_per_worker < max_rounds), else rounds. The asymptotic "
-        "sequence is anti-conservative on fewer (benchmarks/paired_sequential.py)"))
-    max_rounds: int = Field(200, ge=3, description="stop after this many rounds (undecided metrics: inconclusive)")
+        "samples before the first decision, the first look of the sequential design: worker instance pairs when "
+        "the workers restart during the measurement (rounds_per_worker < max_rounds), else rounds"))
+    max_rounds: int = Field(40, ge=3, description=(
+        "stop after this many rounds (undecided metrics: inconclusive); also the last look of the sequential "
+        "design (max_rounds // rounds_per_worker instance pairs when restarting): set it to what max_measure_s "
+        "holds, since a design planned for more looks than are made spends less of its error rate, and a "
+        "wider interval, at each of them"))
     max_measure_s: Seconds = Field(600.0, description=(
         "measurement budget: no round starts that is expected (median of the last 4 rounds, restart included) "
         "to end past it; stage_max_s is the hard limit"))
@@ -553,13 +556,13 @@ class PairedConfig(_Model):
         "restart both workers every this many rounds (one AB + BA pair per instance at 2); the interval is "
         "then over instance pairs, whose offsets (memory layout, allocator, threads) it samples"))
     bound: float = Field(0.015, gt=0, lt=1, description="the smallest change that counts (0.015 = 1.5 %)")
-    confidence: float = Field(0.95, gt=0.5, lt=1, description="coverage of the confidence sequence, over all rounds")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description=(
+        "coverage of the repeated confidence interval, over all looks"))
     gated: list[str] = Field(default_factory=lambda: ["itl_median_ms"], description=(
         f"metrics that decide the verdict, of {list(PAIRED_METRICS)}; the others are reported"))
     sd_floor: float = Field(0.005, ge=0, lt=1, description=(
         "smallest per-round sd of the log ratio the interval assumes (guards the first rounds against a lucky "
         "small spread)"))
-    design_rounds: int = Field(30, ge=3, description="the round count the confidence sequence is tightest at")
     confirm: bool = Field(True, description=(
         "re-measure a gated metric found regressed, with fresh workers and fresh prompts, before it fails the "
         "gate: reproduced -> regression; excluded -> 'unconfirmed' (shown, not a failure); neither -> inconclusive"))
@@ -588,6 +591,14 @@ class PairedConfig(_Model):
     def _rounds(self) -> "PairedConfig":
         if self.max_rounds < self.min_rounds:
             raise ValueError(f"max_rounds ({self.max_rounds}) is below min_rounds ({self.min_rounds})")
+        if self.rounds_per_worker < self.max_rounds and self.max_rounds // self.rounds_per_worker < self.min_units:
+            raise ValueError(
+                f"max_rounds ({self.max_rounds}) holds {self.max_rounds // self.rounds_per_worker} worker instance "
+                f"pair(s) of rounds_per_worker = {self.rounds_per_worker}, fewer than min_units ({self.min_units}): "
+                f"nothing could ever be decided; raise max_rounds or lower min_units")
+        if self.rounds_per_worker >= self.max_rounds and self.max_rounds < self.min_units:
+            raise ValueError(f"max_rounds ({self.max_rounds}) is below min_units ({self.min_units}): nothing could "
+                             f"ever be decided")
         return self
 
 

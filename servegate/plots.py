@@ -311,8 +311,10 @@ def paired_ratio_plot(row: Mapping[str, Any], rounds: pd.DataFrame | None) -> st
 
 def paired_interval_plot(row: Mapping[str, Any], rounds: pd.DataFrame | None) -> str:
     """One metric's interval as it narrowed: after each round, the ratio so far and its
-    anytime-valid interval (``ci_low``..``ci_high``), with the bound lines and the round at which
-    the metric was first decided."""
+    repeated confidence interval (``ci_low``..``ci_high``, valid at every look), with the bound
+    lines and the round at which the metric was first decided. The early looks' intervals are
+    astronomically wide (the design spends almost no error rate there): the y axis spans the
+    ratios and the bounds, and what lies beyond is cut at its edge."""
     name, title = f"paired_interval:{row.get('metric')}", _paired_title(row, "interval after each round")
     g = _metric_rounds(row, rounds)
     if g.empty:
@@ -329,7 +331,7 @@ def paired_interval_plot(row: Mapping[str, Any], rounds: pd.DataFrame | None) ->
     confidence = row.get("confidence")
     level = f"{confidence:.0%} " if confidence is not None and math.isfinite(confidence) else ""
     ax.fill_between(x[bounded], low[bounded], high[bounded], color="#0969da", alpha=0.2, linewidth=0,
-                    label=f"{level}anytime-valid interval")
+                    label=f"{level}repeated confidence interval")
     ax.plot(x[np.isfinite(ratio)], ratio[np.isfinite(ratio)], marker=".", color="#0969da", linewidth=1,
             label="ratio after the round")
     _bound_lines(ax, row)
@@ -341,6 +343,11 @@ def paired_interval_plot(row: Mapping[str, Any], rounds: pd.DataFrame | None) ->
             ax.axvline(float(first["round"]), color="#57606a", linewidth=1,
                        label=f"decided: {first['decision']} (round {int(first['round'])})")
     _round_axis(ax)
+    bound = row.get("bound")
+    shown = [*ratio[np.isfinite(ratio)], 1.0, *((1 + bound, 1 - bound) if bound is not None and math.isfinite(bound)
+                                               else ())]
+    span = max(shown) - min(shown)
+    ax.set_ylim(max(0.0, min(shown) - span), max(shown) + span)
     ax.set_ylabel("candidate / baseline")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="x-small", loc="best")

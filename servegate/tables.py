@@ -119,7 +119,7 @@ PAIRED_COLUMNS: Final = [
     "stopped_because", "measure_s", "instances", "mode", "order", "rounds_per_worker", "method",
 ]
 """``paired``: one row per metric, ratio = candidate / baseline over rounds (geometric mean), its
-anytime-valid interval, and ``decision`` (``report_only`` for metrics that are not gated;
+repeated confidence interval (valid at every look), and ``decision`` (``report_only`` for metrics that are not gated;
 ``paired_decision`` holds what the interval says for every metric)."""
 PAIRED_ROUND_COLUMNS: Final = [
     "round", "instance", "order", "metric", "a_value", "b_value", "log_ratio", "ratio", "ci_low", "ci_high",

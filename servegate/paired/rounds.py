@@ -4,9 +4,10 @@ until every gated metric is decided or the measurement budget is spent.
 A round is one block of ``paired.requests_per_block`` streaming requests (fresh random prompts
 per round, the same prompts for both sides) sent to A and to B, each from a flushed, idle worker:
 one after the other in ABBA order (``interleaved``) or at the same time (``duet``, each worker on
-its own CPUs). Per metric the round gives one log ratio B/A; the interval over rounds is an
-anytime-valid confidence sequence (:mod:`servegate.paired.stats`), looked at after every round
-from ``min_rounds`` on. Both workers are restarted every ``rounds_per_worker`` rounds.
+its own CPUs). Per metric the round gives one log ratio B/A; the interval over rounds (or over
+worker instance pairs) is a group-sequential repeated confidence interval
+(:mod:`servegate.paired.stats`), looked at after every round from ``min_rounds`` on. Both workers
+are restarted every ``rounds_per_worker`` rounds.
 
 Tables (``servegate.tables``): ``paired`` (one row per metric: ratio, interval, decision, how many
 rounds and why the measurement stopped), ``paired_rounds`` (per round and metric: A's and B's
@@ -46,13 +47,13 @@ from servegate.engine_install import resolve_engine_python
 from servegate.engines import get_engine
 from servegate.errors import ConfigError, ServegateError, StageError, WorkerDiedError, WorkerLaunchError
 from servegate.launch import EXIT_GRACE_S
-from servegate.paired.stats import Interval, ratio_interval
+from servegate.paired.stats import METHOD, Interval, ratio_interval
 from servegate.tables import PAIRED_COLUMNS, PAIRED_PROFILE_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
 
 if TYPE_CHECKING:  # pragma: no cover
     from servegate.launch import WorkerHandle
 
-__all__ = ["SIDES", "PairedMeasurement", "block_config", "decide_metric", "did_not_start", "run_paired",
+__all__ = ["SIDES", "PairedMeasurement", "block_config", "decide_metric", "design", "did_not_start", "run_paired",
            "stop_reason"]
 
 logger = logging.getLogger("servegate.paired")
@@ -371,7 +372,7 @@ class PairedMeasurement:
                 "sd_log": iv.sd_log, "decision": decision if gated else "report_only", "paired_decision": decision,
                 "reason": reason, "stopped_because": self.stopped_because, "measure_s": round(elapsed, 3),
                 "instances": self.instance + 1, "mode": self.p.mode, "order": self.p.order,
-                "rounds_per_worker": self.p.rounds_per_worker, "method": "asymptotic confidence sequence"})
+                "rounds_per_worker": self.p.rounds_per_worker, "method": METHOD})
         self.tables["paired"] = pd.DataFrame(summary, columns=PAIRED_COLUMNS)
 
     # -- the loop -----------------------------------------------------------------------------
@@ -550,30 +551,41 @@ def _new_traces(trace_dir: Path, before: set[Path]) -> list[Path]:
         time.sleep(0.5)
 
 
+def design(p: PairedConfig, restarting: bool) -> tuple[int, int]:
+    """The looks of the sequential design: ``(first_look, n_max)`` in samples, which are worker
+    instance pairs when the workers restart during the measurement, else rounds."""
+    n_max = p.max_rounds // p.rounds_per_worker if restarting else p.max_rounds
+    return p.min_units, max(p.min_units, n_max)
+
+
 def decide_metric(log_ratios: Sequence[float], direction: str, p: PairedConfig,
                   instances: Sequence[int] | None = None) -> tuple[Interval, str]:
     """The interval of one metric's ratio B/A from its per-round log ratios, and its decision
-    (inconclusive before ``p.min_rounds`` rounds).
+    (inconclusive before ``p.min_rounds`` rounds and ``p.min_units`` samples).
 
     ``instances`` (the worker instance of each round): when the workers are restarted during the
     measurement, rounds of one instance pair share its offset (memory layout, allocator, thread
-    placement), so they are not independent: the interval is then over the instances' mean log
-    ratios, one per instance pair. Treating the rounds as independent instead doubled the false
-    alarms at the bound in ``benchmarks/paired_sequential.py``; fewer than ``p.min_units`` (10)
-    samples made the asymptotic sequence anti-conservative (10 % at the bound from 3 instances).
+    placement), so they are not independent: the samples are then the instance pairs' mean log
+    ratios, one per *complete* pair (all ``rounds_per_worker`` rounds measured: a pair cut short
+    by the stop has an AB round without its BA, whose order effect does not cancel). Treating the
+    rounds as independent instead doubled the false alarms at the bound in
+    ``benchmarks/paired_sequential.py``.
     """
     values = list(log_ratios)
     rounds = sum(1 for v in values if math.isfinite(v))
     units = values
-    design = p.design_rounds
-    if instances is not None and p.rounds_per_worker < p.max_rounds:
+    restarting = instances is not None and p.rounds_per_worker < p.max_rounds
+    if restarting:
         by_instance: dict[int, list[float]] = {}
-        for v, i in zip(values, instances):
-            if math.isfinite(v):
-                by_instance.setdefault(i, []).append(v)
-        units = [sum(vs) / len(vs) for vs in by_instance.values()]
-        design = max(3, round(p.design_rounds / p.rounds_per_worker))
-    iv = ratio_interval(units, confidence=p.confidence, design_rounds=design, sd_floor=p.sd_floor)
+        for v, i in zip(values, instances):  # type: ignore[arg-type]
+            by_instance.setdefault(i, []).append(v)
+        units = [sum(vs) / len(vs) for vs in by_instance.values()
+                 if len(vs) == p.rounds_per_worker and all(math.isfinite(v) for v in vs)]
+    first_look, n_max = design(p, restarting)
+    iv = ratio_interval(units, confidence=p.confidence, first_look=first_look, n_max=n_max, sd_floor=p.sd_floor)
+    if iv.rounds < 2 and rounds:  # not bounded yet: the estimate of the rounds so far, no interval
+        finite = [v for v in values if math.isfinite(v)]
+        iv = Interval(iv.rounds, math.exp(sum(finite) / len(finite)), 0.0, math.inf, math.nan)
     if rounds < p.min_rounds or iv.rounds < p.min_units or not math.isfinite(iv.ci_low):
         return iv, "inconclusive"
     return iv, decide_change(iv.ci_low, iv.ci_high, direction, p.bound)  # type: ignore[arg-type]

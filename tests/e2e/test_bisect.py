@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 SLOW = '["--fault-decode-slowdown-pct", "100"]'
 BROKEN = '["--no-such-option"]'
 FAST = ["--set", "paired.bound=0.3", "--set", "paired.min_rounds=4", "--set", "paired.min_units=4",
-        "--set", "paired.design_rounds=6", "--set", "paired.rounds_per_worker=200", "--set", "paired.output_len=16",
+        "--set", "paired.max_rounds=8", "--set", "paired.rounds_per_worker=200", "--set", "paired.output_len=16",
         "--set", "paired.requests_per_block=2", "--set", "paired.max_measure_s=180", "--set", "host.enabled=false"]
 
 

@@ -96,8 +96,9 @@ def test_calibrate_refuses_a_slowdown_an_engine_cannot_inject_before_running_any
 
 def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(tmp_path: Path) -> None:
     # Real paired decisions of smoke-ab (two SmolLM2 workers each), kept short: 3 rounds before the
-    # first look, 180 s of measurement at most. A +100 % forward-pass slowdown (a sleep, which a busy
-    # machine cannot shrink) moves ITL far past a 5 % bound; the same build on both sides does not.
+    # first look, 8 at most (the sequential design's last look), 180 s of measurement at most. A +100 %
+    # forward-pass slowdown (a sleep, which a busy machine cannot shrink) moves ITL far past a 5 % bound;
+    # the same build on both sides does not.
     # No worker restarts (rounds_per_worker past max_rounds): every round is a unit of the interval, so
     # 3 rounds decide. With smoke-ab's restart every 2 rounds, 3 rounds are 2 instance units, too few
     # (min_units 3): on a busy machine (ITL x3-4) only 3 rounds fit in 180 s and a clear x1.93 [1.60,
@@ -107,8 +108,8 @@ def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(t
     # The calibration is made in two invocations, as a stopped one is continued: the A/A decision,
     # then `--resume` with the slowdown added, which makes only that decision and reports both.
     out = tmp_path / "calibration"
-    sets = ["paired.min_rounds=3", "paired.min_units=3", "paired.max_measure_s=180", "paired.bound=0.05",
-            "paired.rounds_per_worker=1000", "paired.confirm=false"]
+    sets = ["paired.min_rounds=3", "paired.min_units=3", "paired.max_rounds=8", "paired.max_measure_s=180",
+            "paired.bound=0.05", "paired.rounds_per_worker=1000", "paired.confirm=false"]
 
     def calibrate(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired",

@@ -24,10 +24,11 @@ from e2eutil import REPO, gate_env, stdout_json, worker_processes
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 BOUND = 0.05
-# Five instance pairs (10 rounds) before the first look: early looks are anti-conservative near the
-# bound, which a +20 % slowdown against a 5 % bound is far from.
+# A short sequential design: the first look at five instance pairs (10 rounds), the last at ten
+# (max_rounds 20), about what the budgets below hold; a design planned for the default 40 rounds
+# would be wider at every look these tests make.
 FAST = ["--set", f"paired.bound={BOUND}", "--set", "paired.max_measure_s=300", "--set", "paired.min_rounds=6",
-        "--set", "paired.min_units=5"]
+        "--set", "paired.min_units=5", "--set", "paired.max_rounds=20"]
 SLOWDOWN = ["--set", 'worker.extra_args=["--fault-decode-slowdown-pct","20"]']
 
 
@@ -45,10 +46,11 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]
 def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path):
     # Without the profile of the confirmed regression (paired.profile): its own test below profiles a
     # tiny model; here it would only add a profiled block per side and two SmolLM2 traces to read.
-    # Three instance pairs before the first look, not five: a +20 % slowdown is far from a 5 % bound
-    # (early looks are anti-conservative only near it), and the A/A test below keeps five. Measured on
-    # CI with five: 394 s, a first measurement and a confirmation of 10+ rounds each.
-    proc, verdict = _run(tmp_path, *SLOWDOWN, "--set", "paired.profile=false", "--set", "paired.min_units=3")
+    # No restarts within a measurement (rounds are the samples; the confirmation still starts fresh
+    # workers): a +20 % slowdown is far from a 5 % bound, and a design of 6-16 rounds decides it in
+    # about 10, where one of 5-10 instance pairs with a restart between each would need 20 or more.
+    proc, verdict = _run(tmp_path, *SLOWDOWN, "--set", "paired.profile=false", "--set", "paired.min_units=6",
+                         "--set", "paired.rounds_per_worker=1000", "--set", "paired.max_rounds=16")
     run_dir = Path(verdict["run_dir"])
     rounds = pd.read_parquet(run_dir / "paired_rounds.parquet") if (run_dir / "paired_rounds.parquet").exists() else None
     shown = "" if rounds is None else rounds[rounds["metric"] == "itl_median_ms"].to_string()
@@ -101,7 +103,8 @@ def test_the_same_build_on_both_sides_never_fails(tmp_path: Path):
 
 
 def test_sigterm_during_the_paired_stage_leaves_no_worker_and_exits_2(tmp_path: Path):
-    proc = subprocess.Popen(_cmd(tmp_path, "--set", "paired.max_measure_s=600", "--set", "paired.min_rounds=50"),
+    proc = subprocess.Popen(_cmd(tmp_path, "--set", "paired.max_measure_s=600", "--set", "paired.min_rounds=50",
+                                 "--set", "paired.max_rounds=60"),
                             cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -124,7 +127,8 @@ def test_sigterm_during_the_paired_stage_leaves_no_worker_and_exits_2(tmp_path: 
 
 
 def test_a_stage_past_its_deadline_stops_both_workers_and_is_inconclusive(tmp_path: Path):
-    proc, verdict = _run(tmp_path, "--set", "stage_max_s=45", "--set", "paired.min_rounds=50")
+    proc, verdict = _run(tmp_path, "--set", "stage_max_s=45", "--set", "paired.min_rounds=50",
+                         "--set", "paired.max_rounds=60")
     assert proc.returncode == 2, f"{verdict}\n{proc.stderr[-3000:]}"
     assert verdict["status"] == "inconclusive"
     assert any("stage_max_s" in e for e in verdict["infra_errors"]), verdict["infra_errors"]
@@ -141,6 +145,7 @@ def test_a_regression_the_re_measurement_does_not_reproduce_is_unconfirmed_and_p
                                   f'"{marker}"]',
                          "--set", "paired.bound=0.3", "--set", "paired.min_rounds=4", "--set", "paired.min_units=4",
                          "--set", "paired.rounds_per_worker=200", "--set", "paired.max_measure_s=120",
+                         "--set", "paired.max_rounds=8",
                          "--set", "host.enabled=false")
     run_dir = Path(verdict["run_dir"])
     rounds = pd.read_parquet(run_dir / "paired_rounds.parquet")
@@ -172,6 +177,7 @@ def test_a_confirmed_regression_is_profiled_and_the_slowed_operator_tops_the_ope
                          "--set", f'worker.extra_args=["--fault-slow-activation-factor","{SLOW_ACTIVATION_FACTOR}"]',
                          "--set", "paired.bound=0.3", "--set", "paired.min_rounds=4", "--set", "paired.min_units=4",
                          "--set", "paired.rounds_per_worker=200", "--set", "paired.max_measure_s=120",
+                         "--set", "paired.max_rounds=8",
                          "--set", "host.enabled=false")
     run_dir = Path(verdict["run_dir"])
     paired = pd.read_parquet(run_dir / "paired.parquet").set_index("metric")

@@ -42,7 +42,7 @@ def _measure(tmp_path: Path, *overrides: str) -> tuple[PairedMeasurement, list]:
 def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_path: Path):
     m, launched = _measure(tmp_path, 'worker.extra_args=["--fault-decode-slowdown-pct","300"]',
                            "paired.min_rounds=4", "paired.min_units=3", "paired.rounds_per_worker=2",
-                           "paired.bound=0.10",
+                           "paired.max_rounds=12", "paired.bound=0.10",
                            "paired.max_measure_s=300")
     paired = m.tables["paired"].set_index("metric")
     itl = paired.loc["itl_median_ms"]
@@ -128,7 +128,7 @@ def test_duet_mode_pins_each_worker_to_its_cpus(tmp_path: Path):
     launched: list = []
     tables: dict = {}
     cfg = _config("paired.mode=duet", f"worker.cpus=[{b}]", f"baseline.cpus=[{a}]", "paired.min_rounds=3",
-                  "paired.max_rounds=3", "paired.rounds_per_worker=2")
+                  "paired.min_units=3", "paired.max_rounds=3", "paired.rounds_per_worker=1")
     PairedMeasurement(cfg, tmp_path, register=register, tables=tables).run()
     workers = tables["paired_workers"].set_index(["side", "instance"])
     assert seen[int(workers.loc[("baseline", 0), "pid"])] == [a]
@@ -147,7 +147,7 @@ def test_a_worker_that_dies_fails_the_measurement_and_leaves_nothing(tmp_path: P
     tables: dict = {}
     # No restarts: the candidate must live long enough to crash (after its 6th request, in round 2).
     m = PairedMeasurement(_config('worker.extra_args=["--fault-crash-after-requests","6"]', "paired.min_rounds=3",
-                                  "paired.rounds_per_worker=50", "paired.max_measure_s=120"),
+                                  "paired.rounds_per_worker=1000", "paired.max_measure_s=120"),
                           tmp_path, register=launched.append, tables=tables)
     with pytest.raises(WorkerDiedError) as info:
         m.run()

@@ -2,7 +2,7 @@
 and interval plots, the workers), summary.md, the terminal verdict and `servegate status`.
 
 The tables are built the way the paired stage builds them (servegate/paired/rounds.py: per-round
-log ratios B/A, the anytime-valid interval after every round, stop once every gated metric is
+log ratios B/A, the repeated confidence interval after every round, stop once every gated metric is
 decided) from a simulated pair of workers whose candidate decodes 4.3 % slower, and recorded
 through the real history store.
 """
@@ -25,6 +25,7 @@ from servegate.cli import main
 from servegate.config import PAIRED_METRICS, PairedConfig
 from servegate.history import GateKey, Store
 from servegate.paired.rounds import decide_metric, stop_reason
+from servegate.paired.stats import METHOD
 from servegate.plots import paired_interval_plot, paired_ratio_plot
 from servegate.render import format_verdict_table
 from servegate.report import write_markdown_summary, write_report
@@ -44,8 +45,8 @@ UNITS = {"itl_median_ms": "ms", "tpot_median_ms": "ms", "ttft_median_ms": "ms", 
          "output_throughput": "tok/s"}
 BASELINE_PYTHON = "/opt/engines/embedded-1.4/bin/python"
 NOISE = 0.02
-SEED = 3
-"""Decided after 18 rounds on 5 instances of each worker, the report-only metrics' intervals saying
+SEED = 1
+"""Decided after 20 rounds on 10 instances of each worker, the report-only metrics' intervals saying
 regression, no_change and inconclusive (test_the_simulated_tables_are_what_the_stage_would_write)."""
 
 
@@ -104,7 +105,7 @@ def paired_tables(*, max_measure_s: float = 600.0) -> dict[str, pd.DataFrame]:
             "paired_decision": decision,
             "reason": None if decision != "inconclusive" else f"the interval straddles the bound after {n} rounds",
             "stopped_because": stopped_because, "measure_s": elapsed, "instances": instances, "mode": p.mode,
-            "order": p.order, "rounds_per_worker": p.rounds_per_worker, "method": "asymptotic confidence sequence"})
+            "order": p.order, "rounds_per_worker": p.rounds_per_worker, "method": METHOD})
     workers = []
     for instance in range(instances):
         workers.append({"side": "baseline", "instance": instance, "engine": "embedded", "model": "smollm2-135m",
@@ -161,11 +162,11 @@ def _expected_line(row: pd.Series, *, why: bool = True) -> str:
 def test_the_simulated_tables_are_what_the_stage_would_write() -> None:
     tables = paired_tables()
     row = _gated(tables)
-    assert row.decision == "regression" and row.rounds == 19 and row.instances == 10
+    assert row.decision == "regression" and row.rounds == 20 and row.instances == 10
     assert row.ci_low > 1 + BOUND and row.ratio == pytest.approx(1.043, abs=0.01)
     assert set(tables["paired"].loc[~tables["paired"]["gated"], "decision"]) == {"report_only"}
-    assert list(tables["paired"]["paired_decision"]) == ["regression", "regression", "no_change", "inconclusive",
-                                                         "regression"]
+    assert list(tables["paired"]["paired_decision"]) == ["regression", "regression", "no_change", "regression",
+                                                         "inconclusive"]
     assert tables["paired_rounds"]["round"].max() == row.rounds
     assert set(tables["paired_workers"]["instance"]) == set(range(row.instances))
 
@@ -249,7 +250,7 @@ def test_report_has_the_paired_section_with_plots_and_workers(recorded) -> None:
     if row.instances > 1:
         assert "workers restarted" in per_round
     narrowing = _figure(text, "paired_interval:itl_median_ms")
-    assert "95% anytime-valid interval" in narrowing and "regression bound ×1.0150" in narrowing
+    assert "95% repeated confidence interval" in narrowing and "regression bound ×1.0150" in narrowing
     first_decided = tables["paired_rounds"].query("metric == 'itl_median_ms' and decision == 'regression'")
     assert f"decided: regression (round {int(first_decided['round'].iloc[0])})" in narrowing
 

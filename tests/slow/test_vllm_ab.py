@@ -171,7 +171,7 @@ def test_the_queued_candidate_is_a_regression_on_ttft(known_regression: GateRun)
     assert (ttft["gated"], ttft["decision"], ttft["direction"]) == (True, "regression", "lower_is_better"), \
         run.explain()
     assert ttft["stopped_because"].startswith("every gated metric decided"), run.explain()
-    assert ttft["rounds"] >= 3 and ttft["instances"] == 1  # no restart: rounds_per_worker is 100
+    assert ttft["rounds"] >= 3 and ttft["instances"] == 1  # no restart: rounds_per_worker is max_rounds
     # Measured ×3.2 [1.7, 6.1] after 10 rounds and [2.3, 6.8] after 3; a prefill against a prefill plus a
     # whole queued generation cannot come near 1.5 however busy the machine.
     assert ttft["ratio"] > 1.5 and ttft["ci_low"] > 1.10, run.explain()

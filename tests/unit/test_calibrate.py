@@ -173,12 +173,13 @@ def test_stored_calibration_floors_run_noise_and_annotates_the_comparison(tmp_pa
 def _paired_table(itl: tuple[float, float, float], decision: str, rounds: int, measure_s: float,
                   bound: float = 0.015) -> pd.DataFrame:
     """A paired stage's table: ITL gated (ratio, interval, decision), TTFT reported only."""
+    from servegate.paired.stats import METHOD
     from servegate.tables import PAIRED_COLUMNS
 
     common = {"rounds": rounds, "measure_s": measure_s, "bound": bound, "confidence": 0.95,
               "stopped_because": f"every gated metric decided after {rounds} rounds", "instances": 2,
               "mode": "interleaved", "order": "abba", "rounds_per_worker": 4,
-              "method": "asymptotic confidence sequence"}
+              "method": METHOD}
     ratio, lo, hi = itl
     rows = [{**common, "metric": "itl_median_ms", "column": "median_itl_ms", "unit": "ms",
              "direction": "lower_is_better", "gated": True, "ratio": ratio, "ci_low": lo, "ci_high": hi,
