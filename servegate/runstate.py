@@ -55,6 +55,8 @@ def call_flow(flow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """
     exit_on_sigterm()
     guard_process_tree()
+    with prefect_api_starting():  # at once, under the start lock (already up after `servegate run`'s own)
+        pass
     try:
         return flow(*args, **kwargs)
     except RuntimeError as exc:
@@ -163,7 +165,10 @@ def prefect_api_starting() -> Iterator[None]:
 
     def start() -> None:
         try:
-            SubprocessASGIServer().start()  # the instance Prefect's client uses (one per port, None: any)
+            server = SubprocessASGIServer()  # the instance Prefect's client uses (one per port, None: any)
+            if not server.running:
+                with _api_start_lock():
+                    server.start()
         except BaseException as exc:  # raised again in the command's thread
             failed.append(exc)
 
@@ -174,6 +179,22 @@ def prefect_api_starting() -> Iterator[None]:
         thread.join(0.2)  # short joins: a signal handler (Ctrl-C, SIGTERM) runs in between
     if failed:
         raise _prefect_start_error(failed[0])
+
+
+def _api_start_lock() -> contextlib.AbstractContextManager:
+    """A lock in ``PREFECT_HOME`` held while a temporary API server starts.
+
+    Gates started at once (a CI matrix) share one ``PREFECT_HOME`` and so one SQLite database, and
+    each server's start-up migrates it and registers Prefect's block types: run side by side, those
+    inserts collide (``UNIQUE constraint failed: block_type.slug``) and a server fails to start.
+    Held only for the start (8-14 s), so a second gate waits that long, not for the first gate's run.
+    """
+    from filelock import FileLock
+    from prefect.settings import PREFECT_HOME
+
+    home = Path(PREFECT_HOME.value()).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    return FileLock(home / "servegate-api-start.lock")
 
 
 def _prefect_start_error(exc: BaseException) -> BaseException:

@@ -54,6 +54,31 @@ def test_with_a_running_server_named_nothing_starts(tmp_path: Path) -> None:
     assert not marked_processes(tmp_path, "uvicorn")
 
 
+def test_a_server_waits_for_another_gate_starting_one_in_the_same_prefect_home(tmp_path: Path) -> None:
+    # Gates started at once share PREFECT_HOME's SQLite database; two servers starting side by side
+    # collided there ("UNIQUE constraint failed: block_type.slug", stop 26's CI). While another holds
+    # the start lock, no server process appears; once it is released, the server starts.
+    from filelock import FileLock
+
+    env = gate_env(tmp_path)
+    home = Path(env["PREFECT_HOME"])
+    home.mkdir(parents=True)
+    lock = FileLock(home / "servegate-api-start.lock")
+    lock.acquire()
+    proc = subprocess.Popen([sys.executable, "-c", START], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20  # longer than a server's start here (8-14 s)
+        while time.monotonic() < deadline:
+            assert not marked_processes(tmp_path, "uvicorn"), "a server started while the lock was held"
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+    finally:
+        lock.release()
+    out, err = proc.communicate(timeout=90)
+    assert out.strip() == "started", err[-3000:]
+
+
 def test_check_suites_fails_a_paired_gate_without_a_paired_suite(tmp_path: Path) -> None:
     config = GateConfig.model_validate({"baseline": {"engine": "external", "url": "http://127.0.0.1:9"},
                                         "output_dir": str(tmp_path)})
