@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-log-interval", type=int, default=40, metavar="STEPS",
                         help="decode steps per metrics window (fwd_occupancy, gen_throughput), as SGLang")
     parser.add_argument("--disable-radix-cache", action="store_true", help="turn the prefix cache off")
+    parser.add_argument("--disable-cpu-fastpath", action="store_true",
+                        help="run transformers' default kernels: no oneDNN-packed bfloat16 weights, attention in "
+                             "the model's dtype (servegate/worker/fastpath.py; for A/B runs and debugging)")
     parser.add_argument("--speculative-algorithm", choices=["NGRAM"], default=None,
                         help="NGRAM speculative decoding (requests are then served one at a time)")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="K")
@@ -219,6 +222,7 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
     from servegate.worker.profiler import StepProfiler
     from servegate.worker.scheduler import Scheduler, SchedulerConfig
     from servegate.models import load_model
+    from servegate.worker.fastpath import speed_up
     from servegate.worker.server import install_crash_fault
 
     if state.faults.startup_oom:
@@ -227,6 +231,8 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
     try:
         torch.set_num_threads(args.num_threads or default_thread_count())
         model, tokenizer = load_model(model_path, args.dtype)
+        # What it switched shows in /get_server_info, as SGLang shows its chosen backends there.
+        state.server_args["cpu_fastpath"] = [] if args.disable_cpu_fastpath else speed_up(model)
         if state.faults.slow_activation_factor > 1:
             slowed = slow_down_activations(model, state.faults.slow_activation_factor)
             log.warning("fault injection: %d MLP activations computed %d times per call", slowed,
