@@ -70,7 +70,10 @@ def _specs(baseline_src: Path | None) -> dict[str, WorkerSpec]:
         if not (baseline_src / "servegate" / "worker").is_dir():
             raise BenchmarkError(f"--baseline-src {baseline_src} holds no servegate/worker; give the root of a "
                                  f"source tree (e.g. `git archive <commit> | tar -x -C {baseline_src}`)")
-        specs["baseline"] = worker.model_copy(update={"env": {**worker.env, "PYTHONPATH": str(baseline_src.resolve())}})
+        # PYTHONSAFEPATH: `python -m servegate` would otherwise put the working directory (this checkout, when
+        # run from its root) ahead of PYTHONPATH, and the "baseline" would run this tree's worker.
+        specs["baseline"] = worker.model_copy(update={"env": {**worker.env, "PYTHONPATH": str(baseline_src.resolve()),
+                                                              "PYTHONSAFEPATH": "1"}})
     return specs
 
 
