@@ -10,6 +10,7 @@ deadline timers that stop a stage (and its worker) past ``stage_max_s`` or ``max
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import threading
@@ -18,6 +19,8 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from filelock import FileLock
 
 from servegate import console
 from servegate.config import GateConfig
@@ -55,9 +58,9 @@ def call_flow(flow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """
     exit_on_sigterm()
     guard_process_tree()
-    with prefect_api_starting():  # at once, under the start lock (already up after `servegate run`'s own)
-        pass
     try:
+        if _temporary_api_needed():
+            _start_temporary_api()  # under the start lock; already up after `servegate run`'s own
         return flow(*args, **kwargs)
     except RuntimeError as exc:
         mapped = _prefect_start_error(exc)
@@ -152,12 +155,10 @@ def prefect_api_starting() -> Iterator[None]:
     called; what a command does before its flow (GX, ``check_suites``) runs meanwhile instead of
     before it. A server that fails to start is an ``InfraError``, as in :func:`call_flow`.
     """
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():  # as Prefect's get_client
+    if not _temporary_api_needed():
         yield
         return
-    from prefect.server.api.server import SubprocessASGIServer  # here: a thread should import nothing
+    importlib.import_module("prefect.server.api.server")  # here: the thread below should import nothing
 
     exit_on_sigterm()  # as call_flow: the server is this command's child, and must not outlive it
     guard_process_tree()
@@ -165,10 +166,7 @@ def prefect_api_starting() -> Iterator[None]:
 
     def start() -> None:
         try:
-            server = SubprocessASGIServer()  # the instance Prefect's client uses (one per port, None: any)
-            if not server.running:
-                with _api_start_lock():
-                    server.start()
+            _start_temporary_api()
         except BaseException as exc:  # raised again in the command's thread
             failed.append(exc)
 
@@ -181,20 +179,31 @@ def prefect_api_starting() -> Iterator[None]:
         raise _prefect_start_error(failed[0])
 
 
-def _api_start_lock() -> contextlib.AbstractContextManager:
-    """A lock in ``PREFECT_HOME`` held while a temporary API server starts.
+def _temporary_api_needed() -> bool:
+    """Whether Prefect would start its temporary API server: no ``PREFECT_API_URL``, as Prefect's get_client."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    return not PREFECT_API_URL.value() and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
+
+
+def _start_temporary_api() -> None:
+    """Start the temporary API server Prefect's client uses, unless it is up, under a lock in ``PREFECT_HOME``.
 
     Gates started at once (a CI matrix) share one ``PREFECT_HOME`` and so one SQLite database, and
     each server's start-up migrates it and registers Prefect's block types: run side by side, those
     inserts collide (``UNIQUE constraint failed: block_type.slug``) and a server fails to start.
     Held only for the start (8-14 s), so a second gate waits that long, not for the first gate's run.
     """
-    from filelock import FileLock
+    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_HOME
 
+    server = SubprocessASGIServer()  # the instance Prefect's client uses (one per port, None: any)
+    if server.running:
+        return
     home = Path(PREFECT_HOME.value()).expanduser()
     home.mkdir(parents=True, exist_ok=True)
-    return FileLock(home / "servegate-api-start.lock")
+    with FileLock(home / "servegate-api-start.lock"):
+        server.start()
 
 
 def _prefect_start_error(exc: BaseException) -> BaseException:
