@@ -5,8 +5,11 @@ Owns the tensors of continuous batching and nothing about who gets in:
 * :meth:`Batch.prefill` runs newly admitted requests, as SGLang's chunked prefill does: one
   request alone reuses the longest cached prompt prefix and runs the rest in chunks of at most
   ``chunk_tokens`` tokens (one forward pass each, so a long prompt never needs its whole
-  attention and logits at once); several requests run together in one left-padded forward pass
-  without prefix reuse. Either way the input log-probs are recorded chunk by chunk
+  attention and logits at once); several requests run together in one forward pass without
+  prefix reuse, either left-padded to the longest or packed in one row, each distinct prompt
+  prefix once, under a mask that keeps each token to its own request's prompt (:class:`_Packing`),
+  whichever costs fewer FLOPs (:func:`_packing_is_cheaper`: padding computes ``rows x longest``
+  tokens, packing makes attention span the whole row). Either way the input log-probs are recorded chunk by chunk
   (:func:`start_input_logprobs`, :func:`record_input_logprobs`, the only code that fills them)
   and the first token is sampled;
 * :meth:`Batch.merge` joins prefilled requests to the batch by left-padding whichever side is
@@ -95,6 +98,82 @@ def _batch_cache(model_config: Any, kv: list[tuple[torch.Tensor, torch.Tensor]])
     return cache
 
 
+_PACKED_MAX_TOKENS = 2048
+"""The most tokens a packed prefill holds: its mask is ``tokens x tokens`` (4 M entries at most)."""
+
+_PACKED_ATTENTION = ("sdpa", "servegate_sdpa_float32")
+"""Attention implementations that take a boolean 4-D mask as given (``servegate.worker.fastpath.ATTENTION`` too)."""
+
+
+def _prefill_costs(model_config: Any) -> tuple[float, float] | None:
+    """FLOPs per layer of a prefill, ``(per token through the weights, per query-key pair of attention)``,
+    for a model whose attention takes a packed prefill's mask; None when it does not (eager attention,
+    sliding windows, a config without the sizes): such a model is always left-padded."""
+    hidden = getattr(model_config, "hidden_size", None)
+    inter = getattr(model_config, "intermediate_size", None)
+    heads = getattr(model_config, "num_attention_heads", None)
+    if not (isinstance(hidden, int) and isinstance(inter, int) and isinstance(heads, int)) or heads < 1:
+        return None
+    if getattr(model_config, "_attn_implementation", None) not in _PACKED_ATTENTION:
+        return None
+    if getattr(model_config, "sliding_window", None) or any(
+            t != "full_attention" for t in getattr(model_config, "layer_types", None) or ()):
+        return None
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    kv_dim = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
+    q_dim = heads * head_dim
+    weights = hidden * q_dim * 2 + hidden * kv_dim * 2 + hidden * inter * 3  # q, o; k, v; gate, up, down
+    return 2.0 * weights, 4.0 * q_dim  # multiply-adds x 2; scores and weighted values, every head
+
+
+class _Packing:
+    """A packed prefill's row: each distinct prompt prefix of the group once, in a token trie.
+
+    A request whose prompt begins like an earlier one's (the same context scored with four endings,
+    the same system prompt) shares that request's tokens for as long as they agree and adds its own
+    after them: ``rows[j][p]`` is the row holding request ``j``'s prompt position ``p``.
+    """
+
+    def __init__(self, prompts: list[list[int]]) -> None:
+        self.token_ids: list[int] = []
+        self.positions: list[int] = []
+        self.rows: list[list[int]] = []
+        root: dict[int, tuple[int, dict]] = {}
+        for ids in prompts:
+            node, rows = root, []
+            for pos, token in enumerate(ids):
+                if token not in node:
+                    node[token] = (len(self.token_ids), {})
+                    self.token_ids.append(token)
+                    self.positions.append(pos)
+                row, node = node[token]
+                rows.append(row)
+            self.rows.append(rows)
+
+    def mask(self) -> torch.Tensor:
+        """``[rows, rows]``, True where a row attends to a row: to its own request's prompt up to its position.
+
+        A shared row's line is written by every request through it, the same line each time."""
+        n = len(self.token_ids)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for rows in self.rows:
+            index = torch.tensor(rows, dtype=torch.long)
+            mask[index[:, None], index[None, :]] = torch.ones(len(rows), len(rows), dtype=torch.bool).tril()
+        return mask
+
+
+def _packing_is_cheaper(costs: tuple[float, float] | None, lengths: list[int], packed_tokens: int) -> bool:
+    """Whether prompts of ``lengths`` cost fewer FLOPs packed in one row of ``packed_tokens`` (their distinct
+    prefixes; ``packed_tokens^2`` pairs of attention) than left-padded (``rows x longest`` tokens,
+    ``rows x longest^2`` pairs). Equal lengths with nothing shared never pack."""
+    rows, longest = len(lengths), max(lengths)
+    if costs is None or rows < 2 or packed_tokens > _PACKED_MAX_TOKENS:
+        return False
+    per_token, per_pair = costs
+    return (packed_tokens * per_token + packed_tokens * packed_tokens * per_pair
+            < rows * longest * (per_token + longest * per_pair))
+
+
 def _wants_input_logprobs(req: Request) -> bool:
     """Whether ``req`` asks for prompt log-probs (``return_logprob`` with a start inside the prompt)."""
     return req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids)
@@ -161,13 +240,18 @@ class Batch:
                 chunk_tokens: int) -> list[tuple[KV, int]]:
         """Prefill ``reqs``: one request alone, chunked and reusing the prefix cache, or several in one pass.
 
-        Several requests go through one left-padded forward pass without prefix reuse; the
-        scheduler groups only requests whose padded batch fits ``chunk_tokens``. Returns, per
+        Several requests go through one forward pass without prefix reuse, packed or left-padded
+        (whichever is cheaper); the scheduler groups only requests whose padded batch fits
+        ``chunk_tokens``. Returns, per
         request, its prompt KV and its first sampled token (-1 when ``max_new_tokens`` is 0), and
         sets ``cached_tokens`` and, when asked, the input and first output log-probs.
         """
         if len(reqs) == 1:
             return [self._prefill_one(reqs[0], prefix_cache, chunk_tokens)]
+        packing = _Packing([r.input_ids for r in reqs])
+        if _packing_is_cheaper(_prefill_costs(self.model.config), [len(r.input_ids) for r in reqs],
+                               len(packing.token_ids)):
+            return self._prefill_packed(reqs, packing)
         return self._prefill_together(reqs)
 
     def _prefill_one(self, req: Request, prefix_cache: PrefixCache | None, chunk_tokens: int) -> tuple[KV, int]:
@@ -236,6 +320,40 @@ class Batch:
         # A copy per request: a view would keep the whole padded batch alive in the prefix cache.
         return [([(layer.keys[i:i + 1, :, pad:].clone(), layer.values[i:i + 1, :, pad:].clone())
                   for layer in cache.layers], first) for i, (pad, first) in enumerate(zip(pads, firsts))]
+
+    def _prefill_packed(self, reqs: list[Request], packing: _Packing) -> list[tuple[KV, int]]:
+        """Several requests in one row of one forward pass, each distinct prompt prefix once (``packing``).
+
+        Each token attends to its own request's prompt up to its position (``packing.mask()``) at that
+        request's positions, so each request gets the logits and KV a prefill alone gives (to float
+        rounding), without a padded token and without computing a shared prefix twice. Logits are kept
+        only for the rows that are scored and each request's last one. Nothing here is a prefix-cache
+        hit: ``cached_tokens`` stays 0.
+        """
+        keep: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # per request: its first kept logits row, that row's position, rows
+        for req, rows in zip(reqs, packing.rows):
+            req.cached_tokens = 0
+            first = req.logprob_start_len if _wants_input_logprobs(req) else len(rows) - 1
+            spans.append((len(keep), first, len(rows) - first))
+            keep.extend(rows[first:])
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=torch.tensor([packing.token_ids], dtype=torch.long),
+                         attention_mask=packing.mask()[None, None],
+                         position_ids=torch.tensor([packing.positions], dtype=torch.long),
+                         past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long))
+        logits = self.sampler.process(out.logits[0])
+        for req, (row, first, n_rows) in zip(reqs, spans):
+            if _wants_input_logprobs(req):
+                start_input_logprobs(req)
+                record_input_logprobs(req, torch.log_softmax(logits[row:row + n_rows], dim=-1), first)
+        firsts = self._first_token(reqs, logits[[row + n_rows - 1 for row, _, n_rows in spans]])
+        kv = []
+        for rows in packing.rows:
+            index = torch.tensor(rows, dtype=torch.long)  # gathered: each request gets its own copy
+            kv.append([(layer.keys.index_select(2, index), layer.values.index_select(2, index))
+                       for layer in cache.layers])
+        return list(zip(kv, firsts))
 
     def _first_token(self, reqs: list[Request], last_logits: torch.Tensor) -> list[int]:
         """Sample each request's first output token from its prompt's last logits row (processed, ``[B, V]``).

@@ -170,14 +170,20 @@ def _logprob_request(i: int, max_new: int) -> Request:
     return req
 
 
-def test_requests_arriving_together_are_prefilled_in_one_pass(model) -> None:
-    """Four requests admitted together: one left-padded forward pass, and each gets what a prefill alone gives."""
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "left-padded"])
+def test_requests_arriving_together_are_prefilled_in_one_pass(model, monkeypatch, packed: bool) -> None:
+    """Four requests admitted together: one forward pass, and each gets what a prefill alone gives.
+
+    Prompts of 4, 9, 14 and 19 tokens: packed end to end in one row of 46 tokens (the cheaper form
+    here), or, with packing turned off, left-padded to 4 x 19."""
+    if not packed:
+        monkeypatch.setattr(batch_module, "_PACKED_MAX_TOKENS", 0)
     solo = [_logprob_request(i, 6) for i in range(4)]
     _solo(model, solo, enable_prefix_cache=False)
     counting = CountingModel(model)
     together = [_logprob_request(i, 6) for i in range(4)]
     _submitted_together(counting, together, enable_prefix_cache=False)
-    assert counting.prefill_shapes() == [(4, 19)]
+    assert counting.prefill_shapes() == ([(1, 46)] if packed else [(4, 19)])
     for alone, batched in zip(solo, together):
         assert batched.output_ids == alone.output_ids
         _assert_same_logprobs(batched.output_token_logprobs, alone.output_token_logprobs)
@@ -186,6 +192,59 @@ def test_requests_arriving_together_are_prefilled_in_one_pass(model) -> None:
         assert [[t for _, t in top] if top else None for top in batched.input_top_logprobs] == \
             [[t for _, t in top] if top else None for top in alone.input_top_logprobs]
     assert len({tuple(r.output_ids) for r in together}) == 4  # the rows are told apart: the check has teeth
+
+
+def test_a_prefill_is_packed_where_padding_would_cost_more() -> None:
+    """The FLOP estimate that picks packed or left-padded, on SmolLM2-135M's shapes: a quality stage's short prompts
+    of mixed lengths pack; equal lengths, and long prompts whose packed attention would cost more, do not; a model
+    whose attention would not take the packed mask (eager, sliding windows) never packs."""
+    def config(**kw):
+        return LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                           num_hidden_layers=1, vocab_size=64, attn_implementation="sdpa", **kw)
+
+    def cheaper(lengths, packed=None):
+        return batch_module._packing_is_cheaper(costs, lengths, sum(lengths) if packed is None else packed)
+
+    costs = batch_module._prefill_costs(config())
+    weights = 576 * 576 * 2 + 576 * 192 * 2 + 576 * 1536 * 3
+    assert costs == (2.0 * weights, 4.0 * 576)
+    assert cheaper([14, 15, 16, 15, 9, 10, 10, 11, 25, 26, 24, 25])
+    assert not cheaper([64] * 8)
+    assert cheaper([64] * 8, packed=64 + 7 * 8)  # one 56-token context, eight endings of 8
+    assert not cheaper([256] * 7 + [200])  # packed: 1992^2 pairs of attention
+    assert cheaper([256, 16, 16, 16])
+    assert not cheaper([1500, 600])  # more than _PACKED_MAX_TOKENS
+    assert not cheaper([30])
+    assert batch_module._prefill_costs(LlamaConfig(attn_implementation="eager")) is None
+    windowed = config()
+    windowed.sliding_window = 64
+    assert batch_module._prefill_costs(windowed) is None
+
+
+def test_prompts_sharing_a_context_compute_it_once_in_a_packed_prefill(model) -> None:
+    """A quality stage's item: one context scored with four endings (and one unrelated prompt, and one prompt
+    that is all context). The packed row holds the context once: 12 + 4 x 3 + 5 = 29 tokens, not 12 x 5 + 4 x 3
+    + 5; each request gets what a prefill alone gives."""
+    context = [40 + (13 * j) % 300 for j in range(12)]
+
+    def requests() -> list[Request]:
+        prompts = [[*context, 400 + 3 * e, 401 + 3 * e, 402 + 3 * e] for e in range(4)] + [[7, 8, 9, 10, 11], context]
+        reqs = [Request(p, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), return_logprob=True,
+                        logprob_start_len=len(context) - 1 if len(p) > len(context) else 2, top_logprobs_num=2)
+                for p in prompts]
+        return reqs
+
+    solo, together = requests(), requests()
+    _solo(model, solo, enable_prefix_cache=False)
+    counting = CountingModel(model)
+    _submitted_together(counting, together, enable_prefix_cache=False)
+    assert counting.prefill_shapes() == [(1, 29)]
+    for alone, batched in zip(solo, together):
+        assert batched.output_ids == alone.output_ids
+        assert batched.cached_tokens == 0
+        _assert_same_logprobs(batched.input_token_logprobs, alone.input_token_logprobs)
+        _assert_same_logprobs(batched.output_token_logprobs, alone.output_token_logprobs)
+    assert len({tuple(r.output_ids) for r in together}) >= 4  # the endings are told apart: the check has teeth
 
 
 def test_a_long_prompt_is_prefilled_in_chunks(model) -> None:
@@ -212,13 +271,15 @@ def test_a_long_prompt_is_prefilled_in_chunks(model) -> None:
 
 
 def test_a_prefill_batch_is_bounded_by_the_chunk_size_with_padding(model) -> None:
-    """Prompts of 10, 10, 12 and 5 tokens at chunk 32: 10 + 10 + 12 = 32 tokens, but 3 x 12 = 36 once padded."""
+    """Prompts of 10, 10, 12 and 5 tokens at chunk 32: 10 + 10 + 12 = 32 tokens, but 3 x 12 = 36 once padded.
+
+    The first pair, of equal lengths, goes left-padded; the second (12 and 5) packed in one row of 17."""
     lengths = [10, 10, 12, 5]
     reqs = [Request([20 + 13 * i + j for j in range(n)], SamplingParams(max_new_tokens=3, temperature=0.0,
                                                                        ignore_eos=True)) for i, n in enumerate(lengths)]
     counting = CountingModel(model)
     _submitted_together(counting, reqs, chunked_prefill_size=32, enable_prefix_cache=False)
-    assert counting.prefill_shapes() == [(2, 10), (2, 12)]
+    assert counting.prefill_shapes() == [(2, 10), (1, 17)]
     assert all(len(r.output_ids) == 3 for r in reqs)
     # FIFO as far as batching allows: a later group's first tokens never come before an earlier group's
     times = [r.first_token_time for r in reqs]
