@@ -1,3 +1,3 @@
-from servegate.cli import main
+from servegate.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -10,18 +10,23 @@ to 2 here, so a command never exits 1 unless a verdict said "regression".
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import errno
+import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from servegate.commands import add_commands
 from servegate.console import configure_logging
 from servegate.errors import ConfigError, ServegateError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "entry", "build_parser"]
 
 
 def _quiet_defaults() -> None:
@@ -129,5 +134,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _could_not_decide()
 
 
+def entry() -> NoReturn:
+    """The ``servegate`` command (console script and ``python -m servegate``): :func:`main`, then an exit
+    that leaves out the interpreter's own tear-down.
+
+    Freeing what torch, transformers, GX and Prefect loaded took ~2 s after every gate (measured: a
+    smoke gate's ``main`` returned at 43.65 s, its process ended at 45.93 s). Everything an exit must
+    do is done first, in the order Python does it: other non-daemon threads are joined, the exit hooks
+    run (the worker's tree, Prefect's temporary API server, log handlers that send to Prefect), logging
+    is shut down (files flushed and closed) and the standard streams flushed; then the process ends
+    with ``main``'s status. An exception out of ``main`` (``--help``, a crash ``main`` does not map)
+    takes the usual way out.
+    """
+    status = main()
+    _exit_now(0 if status is None else status)
+
+
+def _exit_now(status: int) -> NoReturn:
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    try:
+        atexit._run_exitfuncs()  # CPython's own exit hooks, run as at a normal exit (then cleared)
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -93,3 +93,40 @@ def test_the_warning_reaches_stderr_before_the_command_runs(capsys: pytest.Captu
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("servegate: warning: --db holds a password"), err
     assert "pw-1234" not in err and "gate:***@127.0.0.1:9" in err
+
+
+def test_the_fast_exit_does_what_an_exit_must_first(tmp_path) -> None:
+    """``servegate.cli.entry`` ends the process with ``os._exit`` after ``main``: before that, a non-daemon thread
+    still working is joined, the exit hooks run (they stop a gate's processes), log files are flushed and closed,
+    and a large output buffered in stdout reaches the pipe; the status is the one given."""
+    thread_file, hook_file, log_file = tmp_path / "thread", tmp_path / "hook", tmp_path / "log"
+    code = f"""
+import atexit, logging, sys, threading, time
+from servegate.cli import _exit_now
+def late():
+    time.sleep(0.5)
+    open({str(thread_file)!r}, "w").write("joined")
+threading.Thread(target=late).start()
+atexit.register(lambda: open({str(hook_file)!r}, "w").write("ran"))
+handler = logging.FileHandler({str(log_file)!r})
+logging.getLogger("t").addHandler(handler)
+logging.getLogger("t").error("logged")
+sys.stdout.write("x" * 200000)
+_exit_now(3)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert out.stdout == "x" * 200000
+    assert thread_file.read_text() == "joined" and hook_file.read_text() == "ran"
+    assert log_file.read_text() == "logged\n"
+
+
+def test_python_m_servegate_exits_with_mains_status() -> None:
+    """``python -m servegate`` goes through ``entry``: a bad argument is 2 (argparse's SystemExit, the usual way
+    out), ``profiles`` is 0 with its listing on stdout."""
+    bad = subprocess.run([sys.executable, "-m", "servegate", "profiles", "--bogus"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
+    ok = subprocess.run([sys.executable, "-m", "servegate", "profiles"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "smoke" in ok.stdout
