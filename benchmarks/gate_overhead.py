@@ -23,7 +23,14 @@ measurement stage (target <= 10 s, issue 17), from the first measurement stage's
 durations of the stages before it are added up, which leaves out the gaps between them). It
 also times the bare imports, to say what part of the start-up is Python importing Prefect/GX/torch.
 
+``--prefect-server`` first starts a ``prefect server start`` (``benchmarks/prefect_startup.py``'s, on
+loopback with its own home) and runs the gate with ``PREFECT_API_URL`` naming it, as a nightly
+pipeline with a long-lived Prefect server does: the gate then starts no temporary API server. One
+gate runs first and is discarded (a new server's first flow run registers the flow and warms its
+database; right after its start the server's own services are still busy).
+
     python benchmarks/gate_overhead.py
+    python benchmarks/gate_overhead.py --prefect-server
     python benchmarks/gate_overhead.py --set serving.num_prompts=48 --keep
 """
 
@@ -58,11 +65,14 @@ def import_time(module: str, timeout_s: float = 300.0) -> float:
     return time.perf_counter() - t0
 
 
-def run_gate(profile: str, overrides: list[str], output_dir: Path, timeout_s: float) -> dict[str, Any]:
+def run_gate(profile: str, overrides: list[str], output_dir: Path, timeout_s: float,
+             api_url: str | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", profile, "--json", "--output-dir", str(output_dir)]
     for item in overrides:
         cmd += ["--set", item]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     wall_start = time.time()
     t0 = time.perf_counter()
     # Its own session, so that a timeout can end the whole tree (worker, Prefect's server).
@@ -154,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-imports", action="store_true", help="skip timing the bare imports")
     parser.add_argument("--run-dir", type=Path, help="analyse this run folder instead of running a gate "
                         "(the flow's span only: no process start-up or exit)")
+    parser.add_argument("--prefect-server", action="store_true",
+                        help="run the gate against a `prefect server start` started first (PREFECT_API_URL)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -166,9 +178,24 @@ def main(argv: list[str] | None = None) -> int:
         result = from_run_dir(args.run_dir)
     else:
         out = Path(tempfile.mkdtemp(prefix="servegate-overhead-"))
+        server = None
         try:
-            result = run_gate(args.profile, args.overrides, out, args.timeout_s)
+            api_url = None
+            if args.prefect_server:
+                from prefect_startup import _base_env, start_server
+
+                (out / "prefect").mkdir()
+                server = start_server(out / "prefect", _base_env(out / "prefect"))
+                api_url = server[1]
+                warm_up = out / "warm-up"
+                warm_up.mkdir()
+                run_gate(args.profile, args.overrides, warm_up, args.timeout_s, api_url)
+            result = run_gate(args.profile, args.overrides, out, args.timeout_s, api_url)
+            result["prefect_api"] = api_url or "a temporary API server the gate starts"
         finally:
+            if server is not None:
+                _end_tree(server[0].pid)
+                server[2].close()
             if not args.keep:
                 shutil.rmtree(out, ignore_errors=True)
     b = breakdown(result)
@@ -176,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"load average before {load_before:.2f}, after {load_after:.2f}; "
           f"`{' '.join(result['cmd'][1:])}` exit {result['exit_code']}")
+    if result.get("prefect_api"):
+        print(f"Prefect API: {result['prefect_api']}")
     if args.keep:
         print(f"run folder: {result['run_dir']}")
     w = b["wall_s"]
