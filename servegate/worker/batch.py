@@ -9,9 +9,9 @@ Owns the tensors of continuous batching and nothing about who gets in:
   prefix reuse, either left-padded to the longest or packed in one row, each distinct prompt
   prefix once, under a mask that keeps each token to its own request's prompt (:class:`_Packing`),
   whichever costs fewer FLOPs (:func:`_packing_is_cheaper`: padding computes ``rows x longest``
-  tokens, packing makes attention span the whole row). Either way the input log-probs are recorded chunk by chunk
-  (:func:`start_input_logprobs`, :func:`record_input_logprobs`, the only code that fills them)
-  and the first token is sampled;
+  tokens, packing makes attention span the whole row). Either way the input log-probs are
+  recorded chunk by chunk (:func:`start_input_logprobs`, :func:`record_input_logprobs`, the only
+  code that fills them) and the first token is sampled;
 * :meth:`Batch.merge` joins prefilled requests to the batch by left-padding whichever side is
   shorter; padded columns are masked out by a per-row attention mask, and every row carries its
   own ``position_ids`` so that padding never shifts RoPE positions;
@@ -242,9 +242,9 @@ class Batch:
 
         Several requests go through one forward pass without prefix reuse, packed or left-padded
         (whichever is cheaper); the scheduler groups only requests whose padded batch fits
-        ``chunk_tokens``. Returns, per
-        request, its prompt KV and its first sampled token (-1 when ``max_new_tokens`` is 0), and
-        sets ``cached_tokens`` and, when asked, the input and first output log-probs.
+        ``chunk_tokens``. Returns, per request, its prompt KV and its first sampled token (-1 when
+        ``max_new_tokens`` is 0), and sets ``cached_tokens`` and, when asked, the input and first
+        output log-probs.
         """
         if len(reqs) == 1:
             return [self._prefill_one(reqs[0], prefix_cache, chunk_tokens)]
