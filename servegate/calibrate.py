@@ -7,7 +7,9 @@ both on the machine and workload of one gate key, by running the gate itself:
   compared with the A runs before it (the last ``baseline_n``, as a nightly is with its last
   passing runs); every gated ``regression`` decision is a false alarm.
 - **A/B**: ``runs_per_slowdown`` gate runs per injected slowdown (the embedded worker's
-  ``--fault-decode-slowdown-pct P``: every decode forward sleeps P % of its compute time),
+  ``--fault-decode-compute-pct P``: every decode forward computes P % longer, on the CPU as a
+  slower kernel would; a sleep would show up to twice its size where the paired stage's two
+  workers share a core),
   each compared with the last ``baseline_n`` A runs; a ``regression`` is a detection.
 
 Runs are interleaved (A, A, then rounds of A and each slowdown) so that a drift of the machine
@@ -125,7 +127,7 @@ COMPARED_STAGES: tuple[str, ...] = tuple(s for s in MEASUREMENT_STAGES if s in {
 warm-up, flushes and quality do not)."""
 PAIRED_TABLES: tuple[str, ...] = ("paired",)
 """What a paired calibration run keeps: the decision per metric (its rounds are in the run folder)."""
-SLOWDOWN_FLAG = "--fault-decode-slowdown-pct"
+SLOWDOWN_FLAG = "--fault-decode-compute-pct"
 DETECTION_TARGET = 0.95
 
 

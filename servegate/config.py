@@ -167,8 +167,10 @@ class WorkerSpec(_Model):
                                                         f"(prefer api_key_env: then no file holds it)")
     api_key_env: str | None = Field(None, description="name of the environment variable that holds the Bearer "
                                                       "token, read when the worker is launched")
-    cpus: list[int] | None = Field(None, description="pin the worker's process tree to these CPUs "
-                                                     "(sched_setaffinity before exec; None: any CPU)")
+    cpus: list[int] | None = Field(None, description=(
+        "pin the worker's process tree to these CPUs (sched_setaffinity before exec, or on every thread once it "
+        "is ready for an engine that allows it: the embedded worker, whose start-up then uses every CPU; "
+        "None: any CPU)"))
 
     @field_validator("cpus")
     @classmethod
@@ -534,8 +536,9 @@ class PairedConfig(_Model):
 
     enabled: bool = Field(True, description="run the paired stage when a baseline worker is configured")
     mode: Literal["interleaved", "duet"] = Field("interleaved", description=(
-        "interleaved: A and B one after the other; duet: both at once (give worker.cpus and baseline.cpus "
-        "disjoint CPU sets)"))
+        "interleaved: A and B one after the other; duet: both at once, on worker.cpus and baseline.cpus: the same "
+        "set (both time-sliced on its cores: each sees the same moment of each core; smoke-ab) or disjoint sets "
+        "(swapped every other instance pair)"))
     order: Literal["abba", "random"] = Field("abba", description="AB, BA, AB, ... or a seeded random order per round")
     requests_per_block: int = Field(4, ge=1, description="streaming requests per block, sent at once")
     input_len: int = Field(64, ge=1, description="prompt tokens per request (random prompts, fresh each round)")

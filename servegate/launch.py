@@ -56,7 +56,7 @@ from servegate.engines import Engine, get_engine
 from servegate.errors import (ConfigError, ServerUnreachableError, StageError, WorkerDiedError, WorkerLaunchError,
                               WorkerOOMError)
 from servegate.http import make_session
-from servegate.proctree import end_session, exit_on_sigterm, guard_process_tree, watch_group
+from servegate.proctree import end_session, exit_on_sigterm, guard_process_tree, pin_tree, watch_group
 
 __all__ = ["WorkerHandle", "MemoryHighWater", "launch_worker", "start_worker", "start_early", "discard_early",
            "free_port"]
@@ -472,6 +472,11 @@ class _ReadyWatch:
         try:
             with make_session(handle.spec.api_key_value()) as session:
                 _wait_ready(handle, session, self.timeout_s)
+            if handle.spec.cpus and handle.engine.pins_after_start:
+                try:
+                    pin_tree(handle.pid, set(handle.spec.cpus))
+                except psutil.NoSuchProcess:
+                    pass  # it exited right after answering: the gate's next use of it says so
             handle.startup_s = time.perf_counter() - handle.started
             if handle.memory is not None:
                 handle.ready_rss_mib = handle.memory.sample() / MIB
@@ -508,8 +513,9 @@ def _start(spec: WorkerSpec, engine: Engine, log_path: Path, ready_timeout_s: fl
         log.flush()
         try:
             # worker.cpus: the affinity is set in the child before exec, so every thread and
-            # process of the worker's tree inherits it (setting it afterwards would race them).
-            cpus = set(spec.cpus) if spec.cpus else None
+            # process of the worker's tree inherits it (setting it afterwards would race them), or,
+            # for an engine that allows it (pins_after_start), on the whole tree once it is ready.
+            cpus = set(spec.cpus) if spec.cpus and not engine.pins_after_start else None
             process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                        env=env, start_new_session=True, close_fds=True,
                                        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)

@@ -33,8 +33,8 @@ import time
 
 import psutil
 
-__all__ = ["KILL_WAIT_S", "descendants", "end_session", "exit_on_sigterm", "group_members", "guard_process_tree", "terminate_tree",
-           "wait_gone", "watch_group"]
+__all__ = ["KILL_WAIT_S", "descendants", "end_session", "exit_on_sigterm", "group_members", "guard_process_tree",
+           "pin_tree", "terminate_tree", "wait_gone", "watch_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,30 @@ def group_members(pgid: int) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return members
+
+
+def pin_tree(pid: int, cpus: set[int], passes: int = 3) -> None:
+    """Set the CPU affinity of every thread of ``pid`` and its descendants to ``cpus``. A thread
+    started during a pass inherits its creator's mask, pinned or not; the next pass finds it, and
+    the passes end when one changes nothing. Threads and processes that end meanwhile are skipped.
+    ``psutil.NoSuchProcess`` when ``pid`` itself is gone."""
+    root = psutil.Process(pid)
+    for _ in range(passes):
+        changed = False
+        for proc in [root, *descendants(pid)]:
+            try:
+                tids = [t.id for t in proc.threads()]
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            for tid in tids:
+                try:
+                    if os.sched_getaffinity(tid) != cpus:
+                        os.sched_setaffinity(tid, cpus)
+                        changed = True
+                except ProcessLookupError:  # the thread ended
+                    continue
+        if not changed:
+            return
 
 
 def descendants(pid: int) -> list[psutil.Process]:

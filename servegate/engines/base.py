@@ -97,6 +97,11 @@ class Engine(abc.ABC):
     idle_spin_s: ClassVar[float] = 0.0
     """How long the server keeps a core busy after its last step (a busy-wait before it sleeps): the
     paired stage lets that pass before each block, or the other side's block would pay for it."""
+    pins_after_start: ClassVar[bool] = False
+    """``worker.cpus`` may be set once the server is ready, on every thread of its tree, instead of
+    before exec: its start-up (interpreter, model load) then runs on every CPU, which halves a paired
+    restart when both workers share one CPU. Only for a server that sizes and binds nothing by the
+    affinity it starts with (vLLM-CPU binds its OpenMP threads to the CPUs it is given)."""
     profiler_routes: ClassVar[ProfilerRoutes | None] = None
     """The engine's profiler endpoints (enabled at launch by :meth:`with_profiler`); None: the gate
     cannot profile this engine (the paired stage's profile is then not applicable)."""

@@ -18,7 +18,7 @@ from servegate.engines.base import Engine, ProfilerRoutes, Protocol, ServerCapac
 from servegate.engines.sglang import (SGLANG_METRIC_NAMES, SGLANG_PREFIX_CACHE_COUNTERS, fetch_sglang_server_info,
                                      parse_server_info, sglang_common_flags, sglang_flush)
 from servegate.errors import StageError
-from servegate.worker.cli import API_KEY_ENV
+from servegate.worker.cli import API_KEY_ENV, default_thread_count
 
 __all__ = ["EmbeddedEngine"]
 
@@ -36,6 +36,7 @@ class EmbeddedEngine(Engine):
     reports_capacity: ClassVar[bool] = True
     has_logprobs: ClassVar[bool] = True
     takes_prompt_batches: ClassVar[bool] = True
+    pins_after_start: ClassVar[bool] = True
     # The worker reads its key from this variable (servegate/worker/cli.py): never on its command line.
     api_key_env_var: ClassVar[str | None] = API_KEY_ENV
     budget_model: ClassVar[type[EmbeddedBudget]] = EmbeddedBudget
@@ -54,6 +55,8 @@ class EmbeddedEngine(Engine):
             cmd += ["--max-total-tokens", str(budget.max_total_tokens)]
         if budget.max_running_requests is not None:
             cmd += ["--max-running-requests", str(budget.max_running_requests)]
+        if spec.cpus:  # pinned once ready (pins_after_start): its thread count is that of worker.cpus
+            cmd += ["--num-threads", str(default_thread_count(len(spec.cpus)))]
         return cmd + sglang_common_flags(spec, api_key_flag=False)
 
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,

@@ -257,17 +257,18 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
     log.info("worker ready: %s on %d thread(s)", model_path, torch.get_num_threads())
 
 
-def default_thread_count() -> int:
-    """Intra-op threads for torch: every CPU this process may run on but one.
+def default_thread_count(cpus: int | None = None) -> int:
+    """Intra-op threads for torch: every CPU this process may run on (or of ``cpus`` CPUs) but one.
 
     The spare core serves the HTTP loop, and on a gate machine the load generator that
     measures us: measured on 2 cores with one other busy process, 2 torch threads decoded at
     0.9 tok/s (OpenMP threads stall each other when one is preempted) against 11.2 tok/s with 1.
     """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cpus = os.cpu_count() or 1
     return max(1, cpus - 1)
 
 

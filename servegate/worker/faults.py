@@ -8,9 +8,16 @@ the gate can be exercised against a real worker process:
     Sleep this long after every decode step, *outside* the forward pass: host overhead
     grows, so throughput drops and ``sglang:fwd_occupancy`` falls.
 ``decode_slowdown_pct``
-    Make every forward pass P percent slower (sleep P% of its measured duration *inside*
-    the timed forward window): throughput drops while occupancy stays high, like slower
-    kernels.
+    Make every decode forward pass P percent slower by *sleeping* P % of its measured duration
+    inside the timed forward window: throughput drops while occupancy stays high. The time is
+    spent off the CPU, as waiting on a lock, a device or a synchronisation would.
+``decode_compute_pct``
+    Make every decode forward pass P percent slower by *computing*: after it, small matrix
+    products run on the forward's thread for P % of its measured duration, inside the timed
+    window. The time is spent on the CPU, as a slower kernel's would. The two differ where the
+    workers share a core (the paired stage's duet on one CPU set): there a side's time off the
+    CPU is the other side's time on it, so a sleep shows up to twice its size, while this shows
+    at face value.
 ``slow_activation_factor``
     Compute each MLP's activation (the HF model's ``mlp.act_fn`` modules: ``aten::silu`` in Llama
     and SmolLM2) K times per call, returning the same result: one real operator becomes slower,
@@ -60,7 +67,8 @@ from typing import Any, Literal
 
 from servegate.errors import ConfigError
 
-__all__ = ["FaultConfig", "add_fault_arguments", "faults_from_args", "slow_down_activations", "ENV_PREFIX"]
+__all__ = ["FaultConfig", "add_fault_arguments", "burn_cpu_until", "faults_from_args", "slow_down_activations",
+           "ENV_PREFIX"]
 
 ENV_PREFIX = "SERVEGATE_FAULT_"
 
@@ -71,6 +79,7 @@ class FaultConfig:
 
     decode_delay_ms: float = 0.0
     decode_slowdown_pct: float = 0.0
+    decode_compute_pct: float = 0.0
     slow_activation_factor: int = 1
     crash_after_requests: int | None = None
     flush_busy_s: float = 0.0
@@ -96,7 +105,11 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fault-decode-delay-ms", type=float, default=None, metavar="MS",
                        help="sleep MS after every decode step (host overhead; lowers fwd_occupancy)")
     group.add_argument("--fault-decode-slowdown-pct", type=float, default=None, metavar="P",
-                       help="make every forward pass P percent slower (inside the forward window)")
+                       help="make every decode forward pass P percent slower by sleeping (off the CPU, inside "
+                            "the forward window)")
+    group.add_argument("--fault-decode-compute-pct", type=float, default=None, metavar="P",
+                       help="make every decode forward pass P percent slower by computing (on the CPU, inside the "
+                            "forward window)")
     group.add_argument("--fault-slow-activation-factor", type=int, default=None, metavar="K",
                        help="compute each MLP activation (aten::silu) K times per call, same result: one operator "
                             "K times slower")
@@ -148,7 +161,8 @@ def _parse(name: str, raw: Any, kind: type) -> Any:
 def faults_from_args(args: argparse.Namespace) -> FaultConfig:
     """Flags first, then ``SERVEGATE_FAULT_<NAME>``, then the defaults; values are checked."""
     kinds: dict[str, type] = {
-        "decode_delay_ms": float, "decode_slowdown_pct": float, "slow_activation_factor": int,
+        "decode_delay_ms": float, "decode_slowdown_pct": float, "decode_compute_pct": float,
+        "slow_activation_factor": int,
         "crash_after_requests": int,
         "flush_busy_s": float, "occupancy": str, "startup_oom": bool, "error_rate": float,
         "cut_stream_after_tokens": int, "corrupt_logits": bool, "random_drafts": bool, "only_first_launch": str,
@@ -164,8 +178,9 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
     if seed is not None:
         values["seed"] = _parse("seed", seed, int)
     cfg = FaultConfig(**values)
-    if cfg.decode_delay_ms < 0 or cfg.decode_slowdown_pct < 0 or cfg.flush_busy_s < 0:
-        raise ConfigError("fault delays must be >= 0 (decode_delay_ms, decode_slowdown_pct, flush_busy_s)")
+    if min(cfg.decode_delay_ms, cfg.decode_slowdown_pct, cfg.decode_compute_pct, cfg.flush_busy_s) < 0:
+        raise ConfigError("fault delays must be >= 0 (decode_delay_ms, decode_slowdown_pct, decode_compute_pct, "
+                          "flush_busy_s)")
     if not 0.0 <= cfg.error_rate <= 1.0:
         raise ConfigError(f"fault error_rate must be within [0, 1], got {cfg.error_rate}")
     if cfg.occupancy not in (None, "nan", "absent"):
@@ -185,6 +200,20 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
         except OSError as exc:
             raise ConfigError(f"fault only_first_launch: cannot create {cfg.only_first_launch}: {exc}") from exc
     return cfg
+
+
+def burn_cpu_until(deadline: float, clock: Any = None) -> None:
+    """The ``decode_compute_pct`` fault's work: small matrix products on this thread until ``clock()``
+    (``time.perf_counter``) reaches ``deadline``. torch releases the GIL inside each product, so the
+    worker's other threads (HTTP, streaming) keep running as they do beside a real forward pass."""
+    import time
+
+    import torch
+
+    clock = clock or time.perf_counter
+    a = torch.ones(48, 48)
+    while clock() < deadline:
+        torch.mm(a, a)
 
 
 def slow_down_activations(model: Any, factor: int) -> int:

@@ -47,7 +47,7 @@ import torch
 
 from servegate.errors import ConfigError
 from servegate.worker.batch import Batch, _wants_input_logprobs, record_input_logprobs, start_input_logprobs
-from servegate.worker.faults import FaultConfig
+from servegate.worker.faults import FaultConfig, burn_cpu_until
 from servegate.worker.kv_budget import PrefixCache, TokenBudget
 from servegate.worker.metrics import OccupancyWindow, ThroughputWindow, WorkerMetrics, now
 from servegate.worker.profiler import ProfileCommand, StepProfiler
@@ -482,6 +482,11 @@ class Scheduler:
             sleep_start = now()
             time.sleep(fwd_s * self.faults.decode_slowdown_pct / 100.0)
             fwd_s += now() - sleep_start
+        if self.faults.decode_compute_pct:
+            # The same on the CPU: the extra time is computed, as a slower kernel's would be.
+            burn_start = now()
+            burn_cpu_until(burn_start + fwd_s * self.faults.decode_compute_pct / 100.0, now)
+            fwd_s += now() - burn_start
         t = now()
         keep: list[int] = []
         with self._cv:

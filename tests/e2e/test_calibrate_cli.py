@@ -97,8 +97,8 @@ def test_calibrate_refuses_a_slowdown_an_engine_cannot_inject_before_running_any
 def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(tmp_path: Path) -> None:
     # Real paired decisions of smoke-ab (two SmolLM2 workers each), kept short: 3 rounds before the
     # first look, 8 at most (the sequential design's last look), 180 s of measurement at most. A +100 %
-    # forward-pass slowdown (a sleep, which a busy machine cannot shrink) moves ITL far past a 5 % bound;
-    # the same build on both sides does not.
+    # forward-pass slowdown (computed on the CPU; both workers share one core, so a busy machine slows
+    # both alike) moves ITL far past a 5 % bound; the same build on both sides does not.
     # No worker restarts (rounds_per_worker past max_rounds): every round is a unit of the interval, so
     # 3 rounds decide. With smoke-ab's restart every 2 rounds, 3 rounds are 2 instance units, too few
     # (min_units 3): on a busy machine (ITL x3-4) only 3 rounds fit in 180 s and a clear x1.93 [1.60,
@@ -145,7 +145,7 @@ def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(t
         assert itl["ci_low"] <= itl["ratio"] <= itl["ci_high"]
     # The fault went to the candidate only, and only in the slowdown decision.
     configs = [json.loads((Path(r["run_dir"]) / "config.json").read_text()) for r in (aa_run, slow_run)]
-    assert [c["worker"]["extra_args"] for c in configs] == [[], ["--fault-decode-slowdown-pct", "100"]]
+    assert [c["worker"]["extra_args"] for c in configs] == [[], ["--fault-decode-compute-pct", "100"]]
     assert [c["baseline"]["extra_args"] for c in configs] == [[], []]
 
     arms = {f["arm"]: f for f in doc["figures"]}

@@ -40,8 +40,9 @@ def _measure(tmp_path: Path, *overrides: str) -> tuple[PairedMeasurement, list]:
 
 
 def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_path: Path):
+    # Interleaved (smoke-ab's duet is in the A/A test below): ABBA order, the sides one after the other.
     m, launched = _measure(tmp_path, 'worker.extra_args=["--fault-decode-slowdown-pct","300"]',
-                           "paired.min_rounds=4", "paired.min_units=3", "paired.rounds_per_worker=2",
+                           "paired.mode=interleaved", "paired.min_rounds=4", "paired.min_units=3", "paired.rounds_per_worker=2",
                            "paired.max_rounds=12", "paired.bound=0.10",
                            "paired.max_measure_s=300")
     paired = m.tables["paired"].set_index("metric")
@@ -194,10 +195,13 @@ def test_a_round_with_a_failed_request_fails_the_measurement_and_says_why(tmp_pa
     assert not any(h.is_alive() for h in launched)
 
 
-def test_worker_cpus_pin_the_whole_tree_before_exec(tmp_path: Path):
+def test_worker_cpus_pin_the_whole_tree(tmp_path: Path):
+    # The embedded worker (pins_after_start) starts up on every CPU and is pinned, every thread of
+    # its tree, once it is ready; its thread count is that of worker.cpus, not of its start-up.
     cpu = sorted(os.sched_getaffinity(0))[-1]
     cfg = load_config(profile="smoke", overrides=["worker.model=tiny-random", f"worker.cpus=[{cpu}]"])
     with launch_worker(cfg.worker, tmp_path / "worker.log") as handle:
+        assert handle.command[handle.command.index("--num-threads") + 1] == "1"
         proc = psutil.Process(handle.pid)
         threads = [t.id for p in [proc, *proc.children(recursive=True)] for t in p.threads()]
         assert len(threads) > 1

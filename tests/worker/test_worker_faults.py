@@ -7,10 +7,14 @@ import math
 import random
 import signal
 import threading
+import time
 
+import psutil
 import pytest
 import requests
 from workerutil import TINY_ARGS, WorkerProcess, generate, metric_value, sse_events
+
+from servegate.worker.faults import burn_cpu_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,6 +58,47 @@ def test_decode_slowdown_keeps_occupancy_high(start_worker) -> None:
     assert info["faults"] == {"decode_slowdown_pct": 2000.0}
     finite = _occupancy_during(worker.url, 12)
     assert finite and max(finite) > 50
+
+
+def _cpu_seconds_of(worker, body: dict) -> tuple[float, float]:
+    """The worker process's CPU seconds (user + system) and the wall seconds of one request."""
+    proc = psutil.Process(worker.proc.pid)
+    before, t0 = proc.cpu_times(), time.perf_counter()
+    assert generate(worker.url, body, timeout=120).status_code == 200
+    after, wall = proc.cpu_times(), time.perf_counter() - t0
+    return (after.user + after.system) - (before.user + before.system), wall
+
+
+def test_decode_compute_burns_the_cpu_where_the_slowdown_sleeps(start_worker) -> None:
+    # Both make each decode forward 20x longer inside the forward window (occupancy stays high);
+    # the compute fault spends that time on the CPU, the slowdown off it. That is the difference
+    # a duet on one shared core sees (docs/paired.md).
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
+    computing = start_worker(["--enable-metrics", "--decode-log-interval", "4", "--fault-decode-compute-pct", "2000"])
+    sleeping = start_worker(["--enable-metrics", "--fault-decode-slowdown-pct", "2000"])
+    info = requests.get(computing.url + "/get_server_info", timeout=10).json()
+    assert info["faults"] == {"decode_compute_pct": 2000.0}
+    for worker in (computing, sleeping):
+        generate(worker.url, BODY)  # first-request costs out of the way
+    cpu_computing, wall_computing = _cpu_seconds_of(computing, body)
+    cpu_sleeping, wall_sleeping = _cpu_seconds_of(sleeping, body)
+    seen = (f"compute: {cpu_computing:.2f} CPU s in {wall_computing:.2f} s; "
+            f"sleep: {cpu_sleeping:.2f} in {wall_sleeping:.2f} s")
+    assert cpu_computing > 3 * cpu_sleeping, seen  # measured here: 3.83 CPU s in 3.83 s against 0.26 in 4.72 s
+    assert cpu_computing > 0.4 * wall_computing, seen
+    finite = _occupancy_during(computing.url, 12)
+    assert finite and max(finite) > 50
+
+
+def test_burn_cpu_until_stops_at_its_deadline() -> None:
+    burn_cpu_until(0.0)  # a deadline already passed: returns at once (after importing torch)
+    t0 = time.perf_counter()
+    burn_cpu_until(t0 + 0.2)
+    took = time.perf_counter() - t0
+    assert 0.2 <= took < 1.0
+    t1 = time.perf_counter()
+    burn_cpu_until(t1)
+    assert time.perf_counter() - t1 < 0.05
 
 
 def test_crash_after_requests(start_worker) -> None:
