@@ -4,8 +4,8 @@ until every gated metric is decided or the measurement budget is spent.
 A round is one block of ``paired.requests_per_block`` streaming requests (fresh random prompts
 per round, the same prompts for both sides) sent to A and to B, each from a flushed, idle worker:
 one after the other in ABBA order (``interleaved``) or at the same time (``duet``: both workers on
-one shared CPU set, or each on its own). Per metric the round gives one log ratio B/A; the interval over rounds (or over
-worker instance pairs) is a group-sequential repeated confidence interval
+one shared CPU set, or each on its own). Per metric the round gives one log ratio B/A; the
+interval over rounds (or over worker instance pairs) is a group-sequential repeated confidence interval
 (:mod:`servegate.paired.stats`), looked at after every round from ``min_rounds`` on. Both workers
 are restarted every ``rounds_per_worker`` rounds.
 
@@ -191,8 +191,8 @@ class PairedMeasurement:
         and are warmed up side by side; neither is measured until both are ready and warm.
 
         In duet mode with a CPU set per side (two different sets), every other instance pair swaps
-        the sets: two cores are not alike (the one that also runs the load generator measured 8 % slower in an A/A duet
-        here), and a fixed assignment would turn that into a ratio."""
+        the sets: two cores are not alike (the one that also runs the load generator measured 8 %
+        slower in an A/A duet here), and a fixed assignment would turn that into a ratio."""
         t0 = time.perf_counter()
         self._stop_all()
         self.instance += 1

@@ -42,7 +42,8 @@ def _measure(tmp_path: Path, *overrides: str) -> tuple[PairedMeasurement, list]:
 def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_path: Path):
     # Interleaved (smoke-ab's duet is in the A/A test below): ABBA order, the sides one after the other.
     m, launched = _measure(tmp_path, 'worker.extra_args=["--fault-decode-slowdown-pct","300"]',
-                           "paired.mode=interleaved", "paired.min_rounds=4", "paired.min_units=3", "paired.rounds_per_worker=2",
+                           "paired.mode=interleaved", "paired.min_rounds=4", "paired.min_units=3",
+                           "paired.rounds_per_worker=2",
                            "paired.max_rounds=12", "paired.bound=0.10",
                            "paired.max_measure_s=300")
     paired = m.tables["paired"].set_index("metric")
