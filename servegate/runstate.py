@@ -10,11 +10,13 @@ deadline timers that stop a stage (and its worker) past ``stage_max_s`` or ``max
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -194,16 +196,39 @@ def _start_temporary_api() -> None:
     inserts collide (``UNIQUE constraint failed: block_type.slug``) and a server fails to start.
     Held only for the start (8-14 s), so a second gate waits that long, not for the first gate's run.
     """
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api import server as prefect_server
     from prefect.settings import PREFECT_HOME
 
-    server = SubprocessASGIServer()  # the instance Prefect's client uses (one per port, None: any)
+    server = prefect_server.SubprocessASGIServer()  # the instance Prefect's client uses (one per port, None: any)
     if server.running:
         return
     home = Path(PREFECT_HOME.value()).expanduser()
     home.mkdir(parents=True, exist_ok=True)
-    with FileLock(home / "servegate-api-start.lock"):
+    with FileLock(home / "servegate-api-start.lock"), _in_a_process_group_of_its_own(prefect_server):
         server.start()
+
+
+@contextlib.contextmanager
+def _in_a_process_group_of_its_own(module: types.ModuleType) -> Iterator[None]:
+    """While the body runs, the processes ``module`` starts with ``subprocess.Popen`` get a process group of
+    their own (``process_group=0``); used for Prefect's temporary API server.
+
+    A signal sent to the gate's whole process group — Ctrl-C in a terminal, a CI job's cancellation, GNU
+    ``timeout`` — would otherwise stop that server at the same instant as the gate: the flows then report
+    their crash to a server that is gone, and Prefect's client retries each report with back-off for
+    minutes (measured: a group SIGTERM to ``servegate calibrate`` mid-round hung > 150 s, its workers still
+    running). Out of the group, the server lives until the gate's exit hook stops it, after the flows have
+    said how they ended; the guardian still ends it if the gate is killed (it follows every descendant).
+    """
+    real = module.subprocess
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update(vars(real))
+    shim.Popen = functools.partial(real.Popen, process_group=0)
+    module.subprocess = shim
+    try:
+        yield
+    finally:
+        module.subprocess = real
 
 
 def _prefect_start_error(exc: BaseException) -> BaseException:

@@ -1,18 +1,26 @@
-"""Signals at every stage: TERM, INT, KILL of the gate and KILL of its whole process group.
+"""Signals at every stage: TERM, INT, KILL of the gate and of its whole process group.
 
-A pipeline cancels a job with SIGTERM (or SIGINT from a terminal), and a CI runner's timeout
-SIGKILLs the job's process group. Whatever the moment: exit 2 (could not decide) with a
-one-line reason where the gate can still speak, no process left behind, the history database
-intact with the run absent (it was not decided), and what was measured kept in the run folder.
+A pipeline cancels a job with SIGTERM (or SIGINT from a terminal, which reaches the whole
+foreground group), and a CI runner's timeout SIGKILLs the job's process group. Whatever the
+moment: exit 2 (could not decide) within seconds, with a one-line reason where the gate can
+still speak, no process left behind, the history database intact with the run absent (it was
+not decided), and what was measured kept in the run folder. The same for a paired calibration,
+whose every decision is a gate flow inside the calibration's flow.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
-from faultutil import db_state, run_folder, stage_status, start_gate, survivors, wait_for_stage
+from faultutil import (REPO, db_state, gate_env, run_folder, stage_status, start_gate, survivors,
+                       wait_for_stage)
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -26,6 +34,8 @@ SCENARIOS = [
     ("launch", signal.SIGKILL, "group"),
     ("serving", signal.SIGKILL, "gate"),
     ("serving", signal.SIGKILL, "group"),
+    ("serving", signal.SIGTERM, "group"),
+    ("serving", signal.SIGINT, "group"),
 ]
 
 
@@ -39,7 +49,9 @@ def test_signal_during_a_stage(tmp_path, stage: str, sig: signal.Signals, target
             os.killpg(gate.pid, sig)
         else:
             gate.send_signal(sig)
+        signalled = time.monotonic()
         _, stderr = gate.communicate(timeout=180)
+        took = time.monotonic() - signalled
     finally:
         if gate.poll() is None:
             os.killpg(gate.pid, signal.SIGKILL)
@@ -49,6 +61,7 @@ def test_signal_during_a_stage(tmp_path, stage: str, sig: signal.Signals, target
         assert gate.returncode == -signal.SIGKILL
     else:
         assert gate.returncode == 2, f"exit {gate.returncode}, wanted 2 (could not decide)\nstderr:\n{stderr[-4000:]}"
+        assert took < 45, f"the gate took {took:.0f} s to end after the signal\nstderr:\n{stderr[-4000:]}"
         reason = [line for line in stderr.splitlines() if line.startswith("servegate:")]
         assert reason and ("terminated" in reason[-1] or "interrupted" in reason[-1]), stderr[-4000:]
         assert "Traceback" not in stderr, stderr[-4000:]
@@ -66,3 +79,68 @@ def test_signal_during_a_stage(tmp_path, stage: str, sig: signal.Signals, target
     db = db_state(tmp_path)
     assert db.integrity in (None, "ok"), db
     assert db.runs == 0, f"an interrupted run was recorded as decided: {db}"
+
+
+# `servegate calibrate --paired` on the tiny model: each decision is a paired gate flow inside the calibration
+# flow, two workers at once, rounds until decided (300 s at most, never reached: the signal comes first).
+CALIBRATE_TINY = ["worker.model=tiny-random", "baseline.model=tiny-random",
+                  'worker.extra_args=["--fault-decode-delay-ms","20"]',
+                  'baseline.extra_args=["--fault-decode-delay-ms","20"]',
+                  "paired.min_rounds=3", "paired.min_units=3", "paired.max_rounds=40", "paired.max_measure_s=300",
+                  "paired.confirm=false"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_group_of_a_paired_calibration_ends_it_at_once(tmp_path, sig: signal.Signals) -> None:
+    # The signal reaches every process of the group, as from a CI job's cancellation, GNU `timeout` or Ctrl-C in
+    # a terminal. Prefect's temporary API server used to be in that group: it stopped at once, and both nested
+    # flows' crash reports were retried against it with back-off (> 150 s) while the round's workers ran on.
+    cmd = [sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired", "--aa-runs", "3",
+           "--slowdowns", "", "--output-dir", str(tmp_path / "calibration"), "--no-record",
+           *[a for s in CALIBRATE_TINY for a in ("--set", s)]]
+    gate = subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        run_dir = _wait_for(gate, lambda: _both_workers_up(tmp_path / "calibration" / "runs"),
+                            "a decision's two workers", timeout_s=300)
+        time.sleep(4)  # inside the rounds (~2 s each)
+        os.killpg(gate.pid, sig)
+        signalled = time.monotonic()
+        _, stderr = gate.communicate(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if gate.poll() is None:
+            os.killpg(gate.pid, signal.SIGKILL)
+            gate.wait()
+
+    assert gate.returncode == 2, f"exit {gate.returncode}, wanted 2 (could not decide)\nstderr:\n{stderr[-4000:]}"
+    assert took < 45, f"the calibration took {took:.0f} s to end after the signal\nstderr:\n{stderr[-4000:]}"
+    reason = [line for line in stderr.splitlines() if line.startswith("servegate:")]
+    assert reason and ("terminated" in reason[-1] or "interrupted" in reason[-1]), stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+    paired = json.loads((run_dir / "stages.json").read_text())["paired"]
+    assert paired["status"] == "failed" and "interrupted" in paired["error"], paired
+    counted = tmp_path / "calibration" / "runs.json"  # the decisions made; a resumed calibration goes on from them
+    assert not counted.exists() or str(run_dir) not in counted.read_text(), "an interrupted decision was counted"
+    left = survivors(tmp_path, within_s=30)
+    assert not left, "processes outlived the calibration:\n" + "\n".join(left)
+
+
+def _both_workers_up(runs: Path) -> Path | None:
+    """The run folder of the decision whose candidate and baseline workers both serve, if any."""
+    for run_dir in sorted(runs.glob("*")) if runs.is_dir() else []:
+        logs = [run_dir / "worker.log", run_dir / "baseline-worker.log"]
+        if all(log.is_file() and "Uvicorn running" in log.read_text(errors="replace") for log in logs):
+            return run_dir
+    return None
+
+
+def _wait_for(gate: subprocess.Popen, found, what: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gate.poll() is not None:
+            raise AssertionError(f"the command exited ({gate.returncode}) before {what}:\n{gate.stderr.read()[-3000:]}")
+        if result := found():
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} within {timeout_s} s")
