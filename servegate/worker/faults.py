@@ -13,11 +13,12 @@ the gate can be exercised against a real worker process:
     spent off the CPU, as waiting on a lock, a device or a synchronisation would.
 ``decode_compute_pct``
     Make every decode forward pass P percent slower by *computing*: after it, small matrix
-    products run on the forward's thread for P % of its measured duration, inside the timed
-    window. The time is spent on the CPU, as a slower kernel's would. The two differ where the
-    workers share a core (the paired stage's duet on one CPU set): there a side's time off the
-    CPU is the other side's time on it, so a sleep shows up to twice its size, while this shows
-    at face value.
+    products run on the forward's thread, inside the timed window, for P % of the CPU time the
+    forward took on that thread (its CPU clock, not the wall clock). The time is spent on the CPU,
+    as a slower kernel's would. The two differ where the workers share a core (the paired stage's
+    duet on one CPU set): there a side's time off the CPU is the other side's time on it, so a
+    sleep shows up to twice its size, while this shows at face value. (Sized on the wall clock, it
+    grew with the other side's turns too: a 3 % fault moved a duet's ITL by 4 %.)
 ``slow_activation_factor``
     Compute each MLP's activation (the HF model's ``mlp.act_fn`` modules: ``aten::silu`` in Llama
     and SmolLM2) K times per call, returning the same result: one real operator becomes slower,
@@ -109,7 +110,7 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
                             "the forward window)")
     group.add_argument("--fault-decode-compute-pct", type=float, default=None, metavar="P",
                        help="make every decode forward pass P percent slower by computing (on the CPU, inside the "
-                            "forward window)")
+                            "forward window; P %% of the CPU time the forward took)")
     group.add_argument("--fault-slow-activation-factor", type=int, default=None, metavar="K",
                        help="compute each MLP activation (aten::silu) K times per call, same result: one operator "
                             "K times slower")
@@ -202,10 +203,19 @@ def faults_from_args(args: argparse.Namespace) -> FaultConfig:
     return cfg
 
 
+def burn_cpu_for(cpu_s: float) -> None:
+    """The ``decode_compute_pct`` fault: compute on this thread until it has spent ``cpu_s`` more seconds on
+    the CPU (its own CPU clock, ``time.thread_time``), however long the turns of other processes on its core
+    make that in wall time."""
+    import time
+
+    burn_cpu_until(time.thread_time() + cpu_s, time.thread_time)
+
+
 def burn_cpu_until(deadline: float, clock: Any = None) -> None:
-    """The ``decode_compute_pct`` fault's work: small matrix products on this thread until ``clock()``
-    (``time.perf_counter``) reaches ``deadline``. torch releases the GIL inside each product, so the
-    worker's other threads (HTTP, streaming) keep running as they do beside a real forward pass."""
+    """Small matrix products on this thread until ``clock()`` (``time.perf_counter``) reaches ``deadline``.
+    torch releases the GIL inside each product, so the worker's other threads (HTTP, streaming) keep
+    running as they do beside a real forward pass."""
     import time
 
     import torch

@@ -47,7 +47,7 @@ import torch
 
 from servegate.errors import ConfigError
 from servegate.worker.batch import Batch, _wants_input_logprobs, record_input_logprobs, start_input_logprobs
-from servegate.worker.faults import FaultConfig, burn_cpu_until
+from servegate.worker.faults import FaultConfig, burn_cpu_for
 from servegate.worker.kv_budget import PrefixCache, TokenBudget
 from servegate.worker.metrics import OccupancyWindow, ThroughputWindow, WorkerMetrics, now
 from servegate.worker.profiler import ProfileCommand, StepProfiler
@@ -476,16 +476,20 @@ class Scheduler:
     def _decode_step(self) -> None:
         step_start = now()
         rows = self.batch.rows
+        fwd_cpu_start = time.thread_time()
         tokens, fwd_s = self.batch.decode()
+        fwd_cpu_s = time.thread_time() - fwd_cpu_start
         if self.faults.decode_slowdown_pct:
             # Counted as forward time: the fault imitates a slower kernel, which occupancy must show.
             sleep_start = now()
             time.sleep(fwd_s * self.faults.decode_slowdown_pct / 100.0)
             fwd_s += now() - sleep_start
         if self.faults.decode_compute_pct:
-            # The same on the CPU: the extra time is computed, as a slower kernel's would be.
+            # The same on the CPU: the extra time is computed, as a slower kernel's would be, and measured on
+            # this thread's CPU clock. The forward's wall time also holds the turns of whatever shares the core
+            # (the other side of a duet on one CPU): P % of it computed made a 3 % fault move ITL by 4 %.
             burn_start = now()
-            burn_cpu_until(burn_start + fwd_s * self.faults.decode_compute_pct / 100.0, now)
+            burn_cpu_for(fwd_cpu_s * self.faults.decode_compute_pct / 100.0)
             fwd_s += now() - burn_start
         t = now()
         keep: list[int] = []
