@@ -45,17 +45,10 @@ def test_signal_during_a_stage(tmp_path, stage: str, sig: signal.Signals, target
     gate = start_gate(tmp_path)
     try:
         wait_for_stage(gate, tmp_path, stage)
-        if target == "group":
-            os.killpg(gate.pid, sig)
-        else:
-            gate.send_signal(sig)
-        signalled = time.monotonic()
-        _, stderr = gate.communicate(timeout=180)
-        took = time.monotonic() - signalled
-    finally:
-        if gate.poll() is None:
-            os.killpg(gate.pid, signal.SIGKILL)
-            gate.wait()
+    except BaseException:
+        _kill(gate)
+        raise
+    stderr, took = _signal_and_wait(gate, sig, group=target == "group", timeout_s=180)
 
     if sig == signal.SIGKILL:
         assert gate.returncode == -signal.SIGKILL
@@ -104,14 +97,10 @@ def test_a_signal_to_the_whole_group_of_a_paired_calibration_ends_it_at_once(tmp
         run_dir = _wait_for(gate, lambda: _both_workers_up(tmp_path / "calibration" / "runs"),
                             "a decision's two workers", timeout_s=300)
         time.sleep(4)  # inside the rounds (~2 s each)
-        os.killpg(gate.pid, sig)
-        signalled = time.monotonic()
-        _, stderr = gate.communicate(timeout=120)
-        took = time.monotonic() - signalled
-    finally:
-        if gate.poll() is None:
-            os.killpg(gate.pid, signal.SIGKILL)
-            gate.wait()
+    except BaseException:
+        _kill(gate)
+        raise
+    stderr, took = _signal_and_wait(gate, sig, group=True, timeout_s=120)
 
     assert gate.returncode == 2, f"exit {gate.returncode}, wanted 2 (could not decide)\nstderr:\n{stderr[-4000:]}"
     assert took < 45, f"the calibration took {took:.0f} s to end after the signal\nstderr:\n{stderr[-4000:]}"
@@ -124,6 +113,28 @@ def test_a_signal_to_the_whole_group_of_a_paired_calibration_ends_it_at_once(tmp
     assert not counted.exists() or str(run_dir) not in counted.read_text(), "an interrupted decision was counted"
     left = survivors(tmp_path, within_s=30)
     assert not left, "processes outlived the calibration:\n" + "\n".join(left)
+
+
+def _signal_and_wait(gate: subprocess.Popen, sig: signal.Signals, *, group: bool,
+                     timeout_s: float) -> tuple[str, float]:
+    """Send ``sig`` to the command (or its whole process group) and wait for it to end: its stderr and
+    the seconds it took after the signal. Killed with its group if it outlives ``timeout_s``."""
+    try:
+        if group:
+            os.killpg(gate.pid, sig)
+        else:
+            gate.send_signal(sig)
+        signalled = time.monotonic()
+        _, stderr = gate.communicate(timeout=timeout_s)
+        return stderr, time.monotonic() - signalled
+    finally:
+        _kill(gate)
+
+
+def _kill(gate: subprocess.Popen) -> None:
+    if gate.poll() is None:
+        os.killpg(gate.pid, signal.SIGKILL)
+        gate.wait()
 
 
 def _both_workers_up(runs: Path) -> Path | None:
