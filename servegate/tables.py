@@ -123,10 +123,11 @@ repeated confidence interval (valid at every look), and ``decision`` (``report_o
 ``paired_decision`` holds what the interval says for every metric)."""
 PAIRED_ROUND_COLUMNS: Final = [
     "round", "instance", "order", "metric", "a_value", "b_value", "log_ratio", "ratio", "ci_low", "ci_high",
-    "decision", "block_s",
+    "decision", "block_s", "kept_busy_s",
 ]
 """``paired_rounds``: per round and metric, A's (baseline) and B's (candidate) block values and the
-interval as it stood after that round."""
+interval as it stood after that round; ``block_s`` the round's wall time, ``kept_busy_s`` (duet) how long
+the side whose block ended first was kept busy until the other's ended (0 in ``interleaved``)."""
 PAIRED_WORKER_COLUMNS: Final = ["side", "instance", "engine", "model", "python", "extra_args", "cpus", "pid",
                                 "launch_s", "warmup_s", "pair_s"]
 """``paired_workers``: every worker instance the paired stage launched (provenance and cost): ``launch_s``

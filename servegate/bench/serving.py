@@ -49,6 +49,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import itertools
 import math
 import sys
 import threading
@@ -88,7 +89,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     uvloop = None
 
 __all__ = ["ServingResult", "arrival_schedule", "build_requests", "prefix_cache_counters",
-           "run_serving"]
+           "run_serving", "serve_until"]
 
 # The arrival gaps get their own random stream, so that they are not the same bits the
 # dataset drew its prompts from with the same seed.
@@ -533,3 +534,50 @@ def run_serving(base_url: str, engine: Engine, cfg: ServingConfig, api_key: str 
     if not summary["tpot_itl_applicable"]:
         notes.append("TPOT/ITL not applicable: no request produced more than one token")
     return ServingResult(requests=requests_df, summary=pd.DataFrame([summary]), meta=meta)
+
+
+async def _keep_busy(base_url: str, wire: WireProtocol, model: str | None, cfg: ServingConfig,
+                     api_key: str | None, tokenizer: Any | None, until: threading.Event, poll_s: float) -> int:
+    served = 0
+    async with StreamingClient(base_url, api_key) as client:
+        for k in itertools.count(1):
+            rows = build_requests(cfg.model_copy(update={"seed": cfg.seed + k}), tokenizer,
+                                  text_prompts=wire.needs_text_prompts)
+            tasks = [asyncio.create_task(_stream_one(
+                client, client.request_bytes(wire.path, orjson.dumps(wire.body(r.prompt, r.output_len, model=model,
+                                                                               stream=True))),
+                wire, cfg.request_timeout_s, i, r.output_len)) for i, r in enumerate(rows)]
+            try:
+                while tasks and not until.is_set():
+                    done, _ = await asyncio.wait(tasks, timeout=poll_s)
+                    for task in done:
+                        tasks.remove(task)
+                        outcome = task.result()
+                        if not outcome.success:
+                            raise StageError(f"a request keeping {base_url} busy failed: {outcome.error}")
+                        served += 1
+            finally:
+                for task in tasks:  # what is in flight when ``until`` is set: its connection is dropped
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if until.is_set():
+                return served
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def serve_until(base_url: str, engine: Engine, cfg: ServingConfig, until: threading.Event, *,
+                api_key: str | None = None, tokenizer: Any | None = None, poll_s: float = 0.005) -> int:
+    """Keep the server busy with ``cfg``'s load until ``until`` is set, and measure nothing: its
+    requests all at once, again and again (each time with the next seed: fresh prompts), the ones
+    in flight when ``until`` is set cancelled (their connections dropped: the engine aborts them).
+    Returns how many requests completed; a request that fails raises :class:`StageError` (a server
+    that stopped serving is not keeping anything busy).
+
+    The paired stage's duet runs this on the side whose block ended first, so that the other side's
+    block shares the CPU to its end, as it did from its start."""
+    base_url = base_url.rstrip("/")
+    wire = protocol_for(engine, cfg.protocol)
+    with make_session(api_key) as http:
+        model = wire.served_model(http, base_url, limit_s=min(cfg.request_timeout_s, 30.0),
+                                  setting="serving.request_timeout_s")
+    return _run_coroutine(_keep_busy(base_url, wire, model, cfg, api_key, tokenizer, until, poll_s))

@@ -4,7 +4,8 @@ until every gated metric is decided or the measurement budget is spent.
 A round is one block of ``paired.requests_per_block`` streaming requests (fresh random prompts
 per round, the same prompts for both sides) sent to A and to B, each from a flushed, idle worker:
 one after the other in ABBA order (``interleaved``) or at the same time (``duet``: both workers on
-one shared CPU set, or each on its own). Per metric the round gives one log ratio B/A; the
+one shared CPU set, or each on its own; both loads begin together and the side whose block ends
+first is kept busy until the other's ends, so that neither runs any of its block alone). Per metric the round gives one log ratio B/A; the
 interval over rounds (or over worker instance pairs) is a group-sequential repeated confidence interval
 (:mod:`servegate.paired.stats`), looked at after every round from ``min_rounds`` on. Both workers
 are restarted every ``rounds_per_worker`` rounds.
@@ -33,6 +34,7 @@ import math
 import os
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +59,9 @@ __all__ = ["SIDES", "PairedMeasurement", "block_config", "decide_metric", "desig
            "stop_reason"]
 
 logger = logging.getLogger("servegate.paired")
+
+FILLER_SEED = 10**9
+"""Where the seeds of the duet's keep-busy load start (:meth:`PairedMeasurement._duet_block`)."""
 
 SIDES = ("baseline", "candidate")
 """A is the baseline, B the candidate; ratios are B/A."""
@@ -89,6 +94,19 @@ def block_config(config: GateConfig, round_index: int) -> ServingConfig:
                          protocol=config.serving.protocol, seed=p.seed + round_index,
                          request_timeout_s=p.request_timeout_s, progress=False,
                          max_dispatch_lag_p99_ms=config.serving.max_dispatch_lag_p99_ms)
+
+
+def _results(futures: dict[str, concurrent.futures.Future]) -> dict[str, Any]:
+    """Each future's result; on a failure the first one that is not the other side's broken barrier
+    (the side that failed first is what the error should name)."""
+    done, _ = concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
+    failed = [f for f in done if f.exception() is not None]
+    if failed and all(isinstance(f.exception(), threading.BrokenBarrierError) for f in failed):
+        concurrent.futures.wait(futures.values())  # the side that broke it is failing: wait for its error
+        failed = [f for f in futures.values() if f.exception() is not None]
+    for f in sorted(failed, key=lambda f: isinstance(f.exception(), threading.BrokenBarrierError)):
+        f.result()
+    return {name: f.result() for name, f in futures.items()}
 
 
 @dataclass
@@ -237,7 +255,9 @@ class PairedMeasurement:
             time.sleep(0.1)
 
     # -- one block, one round -----------------------------------------------------------------
-    def _block(self, side: _Side, round_index: int) -> dict[str, float]:
+    def _block(self, side: _Side, round_index: int, start: threading.Barrier | None = None) -> dict[str, float]:
+        """``side``'s block of round ``round_index``: flushed, settled, measured. ``start`` (duet): both
+        sides' loads begin together, once both are flushed and settled."""
         from servegate.bench.flush import flush_until_idle
         from servegate.bench.serving import run_serving
 
@@ -249,6 +269,8 @@ class PairedMeasurement:
         flush_until_idle(side.handle.base_url, engine, self.config.flush, api_key=api_key)
         if self.settle_s:
             time.sleep(self.settle_s)
+        if start is not None:
+            start.wait(timeout=self.config.flush.timeout_s + self.settle_s + 60.0)
         out = run_serving(side.handle.base_url, engine, block_config(self.config, round_index), api_key=api_key,
                           tokenizer=side.tokenizer)
         row = out.summary.iloc[0]
@@ -259,6 +281,35 @@ class PairedMeasurement:
                              f"requests is not a measurement (the worker's side: {side.log})")
         return {metric: float(row[column]) for metric, (column, _) in PAIRED_METRICS.items()}
 
+    def _duet_block(self, side: _Side, round_index: int, start: threading.Barrier,
+                    ended: dict[str, threading.Event], kept_busy: dict[str, float]) -> dict[str, float]:
+        """``side``'s block in a duet, then, if the other side's block is still running, more of the same
+        load (fresh prompts, nothing measured) until it ends: ``kept_busy[side]`` the seconds that took.
+
+        On a shared core the side whose block ends first would otherwise leave the other to run its
+        rest alone, at up to twice its shared speed: a candidate needing r times the baseline's CPU per
+        token would have a share 1 - 1/r of its tokens from that lone tail, its TPOT and e2e read
+        (r + 1)/2 and its median ITL r below r = 2 but r/2 above (a x2 regression could read x1.0)."""
+        from servegate.bench.serving import serve_until
+
+        other = ended["candidate" if side.name == "baseline" else "baseline"]
+        try:
+            values = self._block(side, round_index, start)
+        except BaseException:
+            start.abort()  # the other side stops waiting for this one
+            raise
+        finally:
+            ended[side.name].set()
+        t0 = time.perf_counter()
+        if not other.is_set():
+            assert side.handle is not None
+            # Prompts of a seed no block uses (the next round's block is the next seed).
+            load = block_config(self.config, round_index).model_copy(update={"seed": FILLER_SEED + round_index * 1000})
+            serve_until(side.handle.base_url, get_engine(side.spec.engine), load, other,
+                        api_key=side.spec.api_key_value(), tokenizer=side.tokenizer)
+            kept_busy[side.name] = time.perf_counter() - t0
+        return values
+
     def measure_round(self) -> None:
         r = len(self.rounds)
         if self.p.order == "abba":
@@ -268,11 +319,14 @@ class PairedMeasurement:
         names = {"A": "baseline", "B": "candidate"}
         t0 = time.perf_counter()
         values: dict[str, dict[str, float]] = {}
+        kept_busy: dict[str, float] = {}
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
         try:
             if self.p.mode == "duet":
-                futures = {names[s]: pool.submit(self._block, self.sides[names[s]], r) for s in order}
-                values = {name: f.result() for name, f in futures.items()}
+                start, ended = threading.Barrier(2), {name: threading.Event() for name in SIDES}
+                futures = {names[s]: pool.submit(self._duet_block, self.sides[names[s]], r, start, ended, kept_busy)
+                           for s in order}
+                values = _results(futures)
             else:
                 for s in order:  # a thread per block, so that client_cpus pins only the load generator
                     values[names[s]] = pool.submit(self._block, self.sides[names[s]], r).result()
@@ -292,7 +346,8 @@ class PairedMeasurement:
         finally:
             pool.shutdown(wait=True)
         self.rounds.append({"round": r + 1, "instance": self.instance, "order": order if self.p.mode != "duet"
-                            else "A+B", "block_s": time.perf_counter() - t0, **{k: v for k, v in values.items()}})
+                            else "A+B", "block_s": time.perf_counter() - t0, "kept_busy_s": sum(kept_busy.values()),
+                            **{k: v for k, v in values.items()}})
         self.check_alive()
 
     # -- statistics ---------------------------------------------------------------------------
@@ -350,7 +405,8 @@ class PairedMeasurement:
                 rows.append({"round": rnd["round"], "instance": rnd["instance"], "order": rnd["order"],
                              "metric": metric, "a_value": a, "b_value": b,
                              "log_ratio": self._log_ratios(metric)[i], "ratio": iv.ratio, "ci_low": iv.ci_low,
-                             "ci_high": iv.ci_high, "decision": decision, "block_s": round(rnd["block_s"], 3)})
+                             "ci_high": iv.ci_high, "decision": decision, "block_s": round(rnd["block_s"], 3),
+                             "kept_busy_s": round(rnd["kept_busy_s"], 3)})
         self.tables["paired_rounds"] = pd.DataFrame(rows, columns=PAIRED_ROUND_COLUMNS)
         elapsed = 0.0 if self.started is None else self.clock() - self.started
         summary = []

@@ -50,7 +50,8 @@ def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path
     # No restarts within a measurement (rounds are the samples; the confirmation still starts fresh
     # workers): a +20 % slowdown is far from a 5 % bound, and a design of 6-16 rounds decides it in
     # about 10, where one of 5-10 instance pairs with a restart between each would need 20 or more.
-    proc, verdict = _run(tmp_path, *SLOWDOWN, "--set", "paired.profile=false", "--set", "paired.min_units=6",
+    proc, verdict = _run(tmp_path, *SLOWDOWN, "--set", "paired.confirm=true", "--set", "paired.profile=false",
+                         "--set", "paired.min_units=6",
                          "--set", "paired.rounds_per_worker=1000", "--set", "paired.max_rounds=16")
     run_dir = Path(verdict["run_dir"])
     rounds = pd.read_parquet(run_dir / "paired_rounds.parquet") if (run_dir / "paired_rounds.parquet").exists() else None
@@ -63,7 +64,7 @@ def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path
     itl = paired.loc["itl_median_ms"]
     assert itl["decision"] == "regression" and itl["ci_low"] > 1 + BOUND, shown
     assert itl["stopped_because"].startswith("every gated metric decided"), itl["stopped_because"]
-    # paired.confirm (on in smoke-ab): measured again with fresh workers and prompts before it failed.
+    # paired.confirm (off in smoke-ab, on here): measured again with fresh workers and prompts before it failed.
     assert itl["reason"].startswith("confirmed: the first measurement"), itl["reason"]
     assert itl["rounds"] >= 6 and itl["measure_s"] < 300
 
@@ -148,7 +149,7 @@ def test_a_regression_the_re_measurement_does_not_reproduce_is_unconfirmed_and_p
                                   f'"{marker}"]',
                          "--set", "paired.bound=0.3", "--set", "paired.min_rounds=4", "--set", "paired.min_units=4",
                          "--set", "paired.rounds_per_worker=200", "--set", "paired.max_measure_s=120",
-                         "--set", "paired.max_rounds=30",
+                         "--set", "paired.max_rounds=30", "--set", "paired.confirm=true",
                          "--set", "host.enabled=false")
     run_dir = Path(verdict["run_dir"])
     rounds = pd.read_parquet(run_dir / "paired_rounds.parquet")
@@ -181,7 +182,7 @@ def test_a_confirmed_regression_is_profiled_and_the_slowed_operator_tops_the_ope
                          "--set", f'worker.extra_args=["--fault-slow-activation-factor","{SLOW_ACTIVATION_FACTOR}"]',
                          "--set", "paired.bound=0.3", "--set", "paired.min_rounds=4", "--set", "paired.min_units=4",
                          "--set", "paired.rounds_per_worker=200", "--set", "paired.max_measure_s=120",
-                         "--set", "paired.max_rounds=30",
+                         "--set", "paired.max_rounds=30", "--set", "paired.confirm=true",
                          "--set", "host.enabled=false")
     run_dir = Path(verdict["run_dir"])
     paired = pd.read_parquet(run_dir / "paired.parquet").set_index("metric")

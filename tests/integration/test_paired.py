@@ -45,7 +45,7 @@ def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_pa
                            "paired.mode=interleaved", "paired.min_rounds=4", "paired.min_units=3",
                            "paired.rounds_per_worker=2",
                            "paired.max_rounds=12", "paired.bound=0.10",
-                           "paired.max_measure_s=300")
+                           "paired.max_measure_s=300", "paired.confirm=true")
     paired = m.tables["paired"].set_index("metric")
     itl = paired.loc["itl_median_ms"]
     assert list(m.tables["paired"].columns) == PAIRED_COLUMNS

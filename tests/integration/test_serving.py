@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servegate.bench.serving import arrival_schedule, run_serving
+from servegate.bench.serving import arrival_schedule, run_serving, serve_until
 from servegate.tables import REQUEST_COLUMNS, SERVING_SUMMARY_COLUMNS
 from servegate.config import ServingConfig
 from servegate.engines import SGLangEngine, VLLMEngine
@@ -350,3 +350,37 @@ def test_prefix_cache_counters_are_nan_with_a_note_where_the_worker_has_none(sim
     res = run_serving(sim.base_url, SGLangEngine(), _cfg(num_prompts=4))
     assert math.isnan(res.summary.iloc[0]["prefix_cache_hit_rate"])
     assert any("went down" in n for n in res.meta["notes"])
+
+
+def test_serve_until_keeps_the_server_busy_with_fresh_prompts_and_drops_what_is_in_flight_when_told(
+        sim: SimServer) -> None:
+    # The paired duet's keep-busy load: the side whose block ended first serves on until the other's ends.
+    sim.state.per_token_delay_s = 0.01  # a 30-token request: about 0.3 s
+    until, served = threading.Event(), []
+    cfg = _cfg(num_prompts=3, random_output_len=30, random_range_ratio=1.0)
+    thread = threading.Thread(target=lambda: served.append(serve_until(sim.base_url, SGLangEngine(), cfg, until)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len(sim.state.bodies) < 9 and time.monotonic() < deadline:  # three loads of 3, one after the other
+        time.sleep(0.01)
+    assert len(sim.state.bodies) >= 9 and sim.state.peak_active == 3  # all at once, never more
+    sent = len(sim.state.bodies)
+    while len(sim.state.bodies) == sent and time.monotonic() < deadline:  # the next load has just begun
+        time.sleep(0.001)
+    time.sleep(0.05)
+    until.set()  # with about 0.25 s of that load still to stream
+    thread.join(10)
+    assert not thread.is_alive() and served and served[0] >= 9
+    # The 3 requests in flight were dropped, not run out (the others all completed).
+    assert len(sim.state.bodies) == served[0] + 3
+    while sim.state.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sim.state.active == 0
+    prompts = [tuple(b["input_ids"]) for b in sim.state.bodies]
+    assert len(set(prompts)) == len(prompts)  # fresh prompts each time
+
+
+def test_serve_until_fails_when_the_server_stops_serving(sim: SimServer) -> None:
+    sim.state.generate_status = 503
+    with pytest.raises(StageError, match="a request keeping .* busy failed: HTTP 503"):
+        serve_until(sim.base_url, SGLangEngine(), _cfg(num_prompts=2), threading.Event())

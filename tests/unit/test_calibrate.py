@@ -224,10 +224,12 @@ def test_paired_run_config_slows_the_candidate_only_and_measures_the_paired_stag
     for cfg in (a, b):
         assert cfg.is_paired and not cfg.compare.enabled and not cfg.store.enabled
         assert not (cfg.one_batch.enabled or cfg.serving.enabled or cfg.occupancy.enabled or cfg.quality.enabled)
-        # The gate's paired rule as is (the confirmation included), without the profile of a confirmed
+        # The gate's paired rule as is (smoke-ab's: no confirmation), without the profile of a confirmed
         # regression: a diagnosis, not part of a decision.
         assert cfg.paired == config.paired.model_copy(update={"profile": False})
-        assert config.paired.profile and config.paired.confirm and cfg.paired.confirm
+        assert config.paired.profile and not config.paired.confirm and not cfg.paired.confirm
+    confirming = load_config(profile="smoke-ab", overrides=["paired.confirm=true"])
+    assert run_config(confirming, 3, tmp_path, "paired").paired.confirm  # a gate that confirms is calibrated so
     # History calibration does not run the paired stage: its table is not what it compares.
     assert not run_config(config, 0, tmp_path).paired.enabled
     with pytest.raises(ConfigError, match=r"needs a baseline worker.*smoke-ab"):
