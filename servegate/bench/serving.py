@@ -259,14 +259,20 @@ async def _stream_one(client: StreamingClient, request: bytes, wire: WireProtoco
     return out
 
 
+def _request_bytes(client: StreamingClient, wire: WireProtocol, model: str | None,
+                   rows: list[DatasetRow]) -> list[bytes]:
+    """Each row's whole streamed HTTP request, serialized once."""
+    return [client.request_bytes(wire.path, orjson.dumps(wire.body(r.prompt, r.output_len, model=model, stream=True)))
+            for r in rows]
+
+
 async def _run_load(rows: list[DatasetRow], schedule: np.ndarray, base_url: str, wire: WireProtocol,
                     model: str | None, cfg: ServingConfig, api_key: str | None) -> tuple[list[dict[str, Any]], float]:
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     records: list[dict[str, Any]] = [{} for _ in rows]
     async with StreamingClient(base_url, api_key) as client:
         # Whole HTTP requests, serialized before the clock starts.
-        bodies = [wire.body(r.prompt, r.output_len, model=model, stream=True) for r in rows]
-        requests_bytes = [client.request_bytes(wire.path, orjson.dumps(b)) for b in bodies]
+        requests_bytes = _request_bytes(client, wire, model, rows)
         with tqdm(total=len(rows), desc="serving", unit="req", file=sys.stderr,
                   disable=not cfg.progress) as pbar:
 
@@ -543,10 +549,8 @@ async def _keep_busy(base_url: str, wire: WireProtocol, model: str | None, cfg: 
         for k in itertools.count(1):
             rows = build_requests(cfg.model_copy(update={"seed": cfg.seed + k}), tokenizer,
                                   text_prompts=wire.needs_text_prompts)
-            tasks = [asyncio.create_task(_stream_one(
-                client, client.request_bytes(wire.path, orjson.dumps(wire.body(r.prompt, r.output_len, model=model,
-                                                                               stream=True))),
-                wire, cfg.request_timeout_s, i, r.output_len)) for i, r in enumerate(rows)]
+            tasks = [asyncio.create_task(_stream_one(client, request, wire, cfg.request_timeout_s, i, r.output_len))
+                     for i, (r, request) in enumerate(zip(rows, _request_bytes(client, wire, model, rows)))]
             try:
                 while tasks and not until.is_set():
                     done, _ = await asyncio.wait(tasks, timeout=poll_s)

@@ -5,10 +5,10 @@ A round is one block of ``paired.requests_per_block`` streaming requests (fresh 
 per round, the same prompts for both sides) sent to A and to B, each from a flushed, idle worker:
 one after the other in ABBA order (``interleaved``) or at the same time (``duet``: both workers on
 one shared CPU set, or each on its own; both loads begin together and the side whose block ends
-first is kept busy until the other's ends, so that neither runs any of its block alone). Per metric the round gives one log ratio B/A; the
-interval over rounds (or over worker instance pairs) is a group-sequential repeated confidence interval
-(:mod:`servegate.paired.stats`), looked at after every round from ``min_rounds`` on. Both workers
-are restarted every ``rounds_per_worker`` rounds.
+first is kept busy until the other's ends, so that neither runs any of its block alone). Per metric
+the round gives one log ratio B/A; the interval over rounds (or over worker instance pairs) is a
+group-sequential repeated confidence interval (:mod:`servegate.paired.stats`), looked at after every
+round from ``min_rounds`` on. Both workers are restarted every ``rounds_per_worker`` rounds.
 
 Tables (``servegate.tables``): ``paired`` (one row per metric: ratio, interval, decision, how many
 rounds and why the measurement stopped), ``paired_rounds`` (per round and metric: A's and B's
