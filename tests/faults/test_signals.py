@@ -75,12 +75,13 @@ def test_signal_during_a_stage(tmp_path, stage: str, sig: signal.Signals, target
 
 
 # `servegate calibrate --paired` on the tiny model: each decision is a paired gate flow inside the calibration
-# flow, two workers at once, rounds until decided (300 s at most, never reached: the signal comes first).
+# flow, two workers at once, restarted every 2 rounds, rounds until decided (300 s at most, never reached: the
+# signal comes first).
 CALIBRATE_TINY = ["worker.model=tiny-random", "baseline.model=tiny-random",
                   'worker.extra_args=["--fault-decode-delay-ms","20"]',
                   'baseline.extra_args=["--fault-decode-delay-ms","20"]',
                   "paired.min_rounds=3", "paired.min_units=3", "paired.max_rounds=40", "paired.max_measure_s=300",
-                  "paired.confirm=false"]
+                  "paired.rounds_per_worker=2", "paired.confirm=false"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
