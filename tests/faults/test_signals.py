@@ -24,6 +24,13 @@ from faultutil import (REPO, db_state, gate_env, run_folder, stage_status, start
 
 pytestmark = [pytest.mark.timeout(420)]
 
+# A test run started in the background by a shell without job control (`cmd &` in a script) inherits SIGINT
+# ignored, and so would every gate started here: Python then installs no KeyboardInterrupt handler and the gate
+# keeps ignoring SIGINT, as a background job should. The SIGINT scenarios are a foreground job's (Ctrl-C, a
+# runner's cancellation), so this process catches SIGINT: its children start with it at its default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 SCENARIOS = [
     ("launch", signal.SIGTERM, "gate"),
     ("one_batch", signal.SIGTERM, "gate"),
