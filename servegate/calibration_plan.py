@@ -25,7 +25,7 @@ CalibrationMode = Literal["history", "paired"]
 PAIRED_DEFAULTS: dict[str, Any] = {"aa_runs": 20, "slowdowns_pct": (3.0,), "runs_per_slowdown": 20}
 """Paired mode's plan when the command line names none: 20 A/A decisions bound the false-alarm rate
 at 14 % (exact one-sided 95 % with 0 of 20); a 3 % forward-pass slowdown (computed) moves smoke-ab's
-ITL by about 3 % (×1.026-1.041 with the faster side of the duet kept busy to the end of the slower
+ITL by about 3 % (×1.025-1.041 with the faster side of the duet kept busy to the end of the slower
 one's block; 4 % moved it ×1.038-1.053), twice its 1.5 % bound: the size of regression the paired
 gate is meant to catch."""
 
