@@ -24,12 +24,21 @@ from faultutil import (REPO, db_state, gate_env, run_folder, stage_status, start
 
 pytestmark = [pytest.mark.timeout(420)]
 
-# A test run started in the background by a shell without job control (`cmd &` in a script) inherits SIGINT
-# ignored, and so would every gate started here: Python then installs no KeyboardInterrupt handler and the gate
-# keeps ignoring SIGINT, as a background job should. The SIGINT scenarios are a foreground job's (Ctrl-C, a
-# runner's cancellation), so this process catches SIGINT: its children start with it at its default.
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+@pytest.fixture(autouse=True, scope="module")
+def _gates_start_with_sigint_at_its_default():
+    """A test run started in the background by a shell without job control (`cmd &` in a script) inherits
+    SIGINT ignored, and so would every gate started here: Python then installs no KeyboardInterrupt handler and
+    the gate keeps ignoring SIGINT, as a background job should. The SIGINT scenarios are a foreground job's
+    (Ctrl-C, a runner's cancellation), so while they run this process catches SIGINT: its children start with
+    it at its default. Restored afterwards, for the rest of the test run."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 
 SCENARIOS = [
     ("launch", signal.SIGTERM, "gate"),
