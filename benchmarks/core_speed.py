@@ -72,25 +72,28 @@ def _windows(rows: list[tuple[float, float]], t0: float, window_s: float) -> dic
     return {k: statistics.median(v) for k, v in bins.items() if len(v) >= 5 and k != last}  # the last is partial
 
 
+def _sd(logs: list[float]) -> float:
+    return statistics.stdev(logs) if len(logs) > 1 else math.nan
+
+
 def _pair_sd(a: list[tuple[float, float]], b: list[tuple[float, float]], window_s: float) -> tuple[float, int]:
     t0 = max(a[0][0], b[0][0])
     wa, wb = _windows(a, t0, window_s), _windows(b, t0, window_s)
     keys = sorted(set(wa) & set(wb))
     logs = [math.log(wb[k] / wa[k]) for k in keys]
-    return (statistics.stdev(logs) if len(logs) > 1 else math.nan), len(logs)
+    return _sd(logs), len(logs)
 
 
 def _side_sd(rows: list[tuple[float, float]], window_s: float) -> float:
     w = _windows(rows, rows[0][0], window_s)
-    logs = [math.log(v) for v in w.values()]
-    return statistics.stdev(logs) if len(logs) > 1 else math.nan
+    return _sd([math.log(v) for v in w.values()])
 
 
 def _consecutive_sd(rows: list[tuple[float, float]], window_s: float) -> tuple[float, int]:
     w = _windows(rows, rows[0][0], window_s)
     keys = sorted(w)
     logs = [math.log(w[k2] / w[k1]) for k1, k2 in zip(keys, keys[1:]) if k2 == k1 + 1]
-    return (statistics.stdev(logs) if len(logs) > 1 else math.nan), len(logs)
+    return _sd(logs), len(logs)
 
 
 def _correlation(a: list[tuple[float, float]], b: list[tuple[float, float]], bin_s: float = 0.25) -> float:

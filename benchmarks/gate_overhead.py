@@ -48,6 +48,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from servegate.proctree import terminate_tree
+
 MEASUREMENT_STAGES = ("one_batch", "serving", "occupancy", "quality")
 TARGET_SHARE = 0.10
 TARGET_STARTUP_S = 10.0
@@ -81,7 +83,7 @@ def run_gate(profile: str, overrides: list[str], output_dir: Path, timeout_s: fl
     try:
         _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _end_tree(proc.pid)
+        terminate_tree(proc.pid, timeout_s=15)
         proc.communicate()
         raise SystemExit(f"the gate ran past {timeout_s} s and was ended; its run folder is under {output_dir} "
                          f"(analyse it with --run-dir)") from None
@@ -103,12 +105,6 @@ def _worker_startup_s(run_dir: Path) -> float | None:
             return float(next(csv.DictReader(fh))["startup_s"])
     except (OSError, StopIteration, KeyError, ValueError):
         return None
-
-
-def _end_tree(pid: int) -> None:
-    from servegate.proctree import terminate_tree
-
-    terminate_tree(pid, timeout_s=15)
 
 
 def from_run_dir(run_dir: Path) -> dict[str, Any]:
@@ -194,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             result["prefect_api"] = api_url or "a temporary API server the gate starts"
         finally:
             if server is not None:
-                _end_tree(server[0].pid)
+                terminate_tree(server[0].pid, timeout_s=15)
                 server[2].close()
             if not args.keep:
                 shutil.rmtree(out, ignore_errors=True)

@@ -71,6 +71,10 @@ def call_flow(flow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         raise mapped from exc
 
 
+_EARLY_LOG = (".worker-", ".log")
+"""An early-started worker's log in ``output_dir``: this prefix, the gate's pid, this suffix."""
+
+
 def start_worker_early(config: GateConfig) -> bool:
     """Start the gate's worker's process now, for the launch stage to adopt (``servegate.launch.start_early``),
     when the gate will launch it: an engine that launches, an enabled stage that measures the gate's worker,
@@ -89,7 +93,7 @@ def start_worker_early(config: GateConfig) -> bool:
     if not _measures_gate_worker(config, MEASUREMENT_STAGES):
         return False
     remove_stale_early_logs(Path(config.output_dir))
-    log_path = Path(config.output_dir) / f".worker-{os.getpid()}.log"
+    log_path = Path(config.output_dir) / f"{_EARLY_LOG[0]}{os.getpid()}{_EARLY_LOG[1]}"
     try:
         return start_early(config.worker, log_path) is not None
     except (OSError, ServegateError) as exc:
@@ -109,8 +113,9 @@ def remove_stale_early_logs(output_dir: Path) -> list[Path]:
     import psutil
 
     removed = []
-    for path in output_dir.glob(".worker-*.log"):
-        pid = path.name.removeprefix(".worker-").removesuffix(".log")
+    prefix, suffix = _EARLY_LOG
+    for path in output_dir.glob(f"{prefix}*{suffix}"):
+        pid = path.name.removeprefix(prefix).removesuffix(suffix)
         if not pid.isdigit() or psutil.pid_exists(int(pid)):
             continue
         with contextlib.suppress(OSError):
