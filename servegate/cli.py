@@ -140,12 +140,11 @@ def entry() -> NoReturn:
 
     Freeing what torch, transformers, GX and Prefect loaded took ~2 s after every gate (measured: a
     smoke gate's ``main`` returned at 43.65 s, its process ended at 45.93 s). Everything an exit must
-    do is done first, in the order Python does it: other non-daemon threads are joined, the log records
-    queued for Prefect's API are sent (this one step first: :func:`_send_prefect_logs`), the exit hooks
-    run (the worker's tree, Prefect's temporary API server), logging is shut down (files flushed and
-    closed) and the standard streams flushed; then the process ends
-    with ``main``'s status. An exception out of ``main`` (``--help``, a crash ``main`` does not map)
-    takes the usual way out.
+    do is done first: other non-daemon threads are joined, the log records queued for Prefect's API are
+    sent (:func:`_send_prefect_logs`, the one step Python would take later), the exit hooks run (the
+    worker's tree, Prefect's temporary API server), logging is shut down (files flushed and closed) and
+    the standard streams flushed; then the process ends with ``main``'s status. An exception out of
+    ``main`` (``--help``, a crash ``main`` does not map) takes the usual way out.
     """
     status = main()
     _exit_now(0 if status is None else status)
@@ -172,11 +171,13 @@ def _send_prefect_logs() -> None:
     One of the exit hooks stops that server, and ``logging.shutdown`` after them flushes Prefect's API
     log handler: into a stopped server, so the flow run's last records were lost and the flush waited
     out its 5 s timeout (5.3 s of a smoke gate's 8.4 s after the flow, py-spy). Sent first, the queue
-    is empty by then. Nothing to do when Prefect's logging was never imported.
+    is empty by then. Nothing to do when Prefect's logging was never imported. Whatever goes wrong here
+    is Prefect's log delivery only: it must not keep the exit hooks, which stop processes, from running.
     """
     handlers = sys.modules.get("prefect.logging.handlers")
     if handlers is not None:
-        handlers.APILogWorker.drain_all(timeout=5)
+        with contextlib.suppress(Exception):
+            handlers.APILogWorker.drain_all(timeout=5)
 
 
 if __name__ == "__main__":
