@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -47,6 +48,24 @@ def marked_processes(tmp_path: Path, *words: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def survivors(tmp_path: Path, within_s: float, *words: str) -> list[str]:
+    """The processes :func:`marked_processes` finds (``words`` as there) still running ``within_s`` seconds
+    from now, or as soon as none is (the guardian gets that long), as ``"pid command line"``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = marked_processes(tmp_path, *words)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = []
+    for p in alive:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def worker_processes(tmp_path: Path) -> list[psutil.Process]:

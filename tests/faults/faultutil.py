@@ -19,10 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # the e2e tests' helpers
-from e2eutil import REPO, gate_env, marked_processes  # noqa: E402,F401  (re-used by the fault tests)
+from e2eutil import REPO, gate_env, marked_processes, survivors  # noqa: E402,F401  (re-used by the fault tests)
 
 # The tiny random-weight model with every forward pass delayed, so that each stage lasts long
 # enough (seconds) to be hit in the middle; quality needs a real model, so it is off.
@@ -50,23 +48,6 @@ def start_gate(tmp_path: Path, *args: str) -> subprocess.Popen:
            "--json", *SLOW_TINY, *args]
     return subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-
-
-def survivors(tmp_path: Path, within_s: float) -> list[str]:
-    """What is still running ``within_s`` seconds from now (the guardian gets that long)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = marked_processes(tmp_path)
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    out = []
-    for p in alive:
-        try:
-            out.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
-        except psutil.NoSuchProcess:
-            continue
-    return out
 
 
 def run_folder(tmp_path: Path) -> Path | None:

@@ -12,13 +12,12 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2eutil import gate_env, marked_processes  # noqa: E402
+from e2eutil import gate_env, survivors  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,7 +56,5 @@ def test_a_flow_runs_closing_log_record_reaches_prefects_api_before_the_server_s
     assert ("prefect.flow_runs", "the flow's own record") in logs, logs
     assert logs[-1] == ("prefect.flow_runs", "Finished in state Completed()"), logs
 
-    deadline = time.monotonic() + 30  # the guardian's grace, should Prefect's own atexit stop miss it
-    while marked_processes(tmp_path, "uvicorn") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not marked_processes(tmp_path, "uvicorn"), "Prefect's server outlived the command"
+    # The guardian's grace (30 s), should Prefect's own atexit stop miss it.
+    assert not survivors(tmp_path, 30, "uvicorn"), "Prefect's server outlived the command"

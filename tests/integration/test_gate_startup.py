@@ -17,7 +17,7 @@ from servegate.errors import ConfigError
 from servegate.runstate import check_suites
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2eutil import gate_env, marked_processes  # noqa: E402
+from e2eutil import gate_env, marked_processes, survivors  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,10 +41,8 @@ def test_a_prefect_server_that_does_not_start_is_an_infra_error_and_leaves_no_pr
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("InfraError: Timed out while attempting to connect to ephemeral Prefect API"), out
     assert "Set PREFECT_API_URL to a running `prefect server start`" in out.stdout
-    deadline = time.monotonic() + 30  # the guardian's grace, should Prefect's own atexit stop miss it
-    while marked_processes(tmp_path, "uvicorn") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not marked_processes(tmp_path, "uvicorn"), "Prefect's server outlived the command"
+    # The guardian's grace (30 s), should Prefect's own atexit stop miss it.
+    assert not survivors(tmp_path, 30, "uvicorn"), "Prefect's server outlived the command"
 
 
 def test_with_a_running_server_named_nothing_starts(tmp_path: Path) -> None:
