@@ -93,7 +93,8 @@ def start_worker_early(config: GateConfig) -> bool:
     if not _measures_gate_worker(config, MEASUREMENT_STAGES):
         return False
     remove_stale_early_logs(Path(config.output_dir))
-    log_path = Path(config.output_dir) / f"{_EARLY_LOG[0]}{os.getpid()}{_EARLY_LOG[1]}"
+    prefix, suffix = _EARLY_LOG
+    log_path = Path(config.output_dir) / f"{prefix}{os.getpid()}{suffix}"
     try:
         return start_early(config.worker, log_path) is not None
     except (OSError, ServegateError) as exc:
