@@ -519,8 +519,11 @@ PAIRED_METRICS: dict[str, tuple[str, str]] = {
     "ttft_median_ms": ("median_ttft_ms", "lower_is_better"),
     "e2e_median_ms": ("median_e2e_latency_ms", "lower_is_better"),
     "output_throughput": ("output_throughput", "higher_is_better"),
+    "cpu_ms_per_token": ("worker_cpu_ms_per_output_token", "lower_is_better"),
 }
-"""What the paired stage measures per block: metric -> (serving summary column, direction)."""
+"""What the paired stage measures per block: metric -> (serving summary column, direction). The last is not
+the client's: the worker's own CPU time (its process tree's user + system) over its block, per output token,
+read around the load (docs/paired.md: what belongs to each side of a duet)."""
 
 
 class PairedConfig(_Model):

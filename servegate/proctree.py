@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import select
 import signal
@@ -34,7 +35,7 @@ import time
 import psutil
 
 __all__ = ["KILL_WAIT_S", "descendants", "end_session", "exit_on_sigterm", "group_members", "guard_process_tree",
-           "pin_tree", "terminate_tree", "wait_gone", "watch_group"]
+           "pin_tree", "terminate_tree", "tree_cpu_seconds", "wait_gone", "watch_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,27 @@ def descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of ``pid`` and every live descendant (each process's own, its exited
+    threads included; clock-tick resolution); NaN when ``pid`` is gone. A descendant that exits between
+    two reads takes its time with it: read around a span in which the tree does not change."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return math.nan
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            if proc is root:
+                return math.nan
+            continue
+        total += times.user + times.system
+    return total
 
 
 def _end(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:

@@ -25,6 +25,7 @@ __all__ = [
     "git_revision",
     "git_branch",
     "nvidia_smi",
+    "source_identity",
 ]
 
 _GIT_TIMEOUT_S = 5.0
@@ -79,6 +80,21 @@ def git_branch(cwd: Path | None = None) -> str | None:
     out = _run_git(["rev-parse", "--abbrev-ref", "HEAD"], Path.cwd() if cwd is None else Path(cwd))
     branch = out.strip() if out else ""
     return branch if branch and branch != "HEAD" else None
+
+
+def source_identity(root: Path | None = None) -> dict[str, str]:
+    """Which servegate code this process runs (or the package folder ``root`` holds): the package's folder
+    and a digest of its Python sources (relative path and bytes of every ``.py`` file, sorted), which does
+    not depend on where the folder is. Two builds that differ in one line differ here; the embedded worker
+    reports it in ``/get_server_info`` so that a paired gate can show, and check, that its candidate runs
+    the candidate's code."""
+    import hashlib
+
+    root = Path(root).resolve() if root is not None else Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"path": str(root), "digest": digest.hexdigest()[:16]}
 
 
 def _cpu_model() -> str | None:

@@ -129,9 +129,10 @@ PAIRED_ROUND_COLUMNS: Final = [
 interval as it stood after that round; ``block_s`` the round's wall time, ``kept_busy_s`` (duet) how long
 the side whose block ended first was kept busy until the other's ended (0 in ``interleaved``)."""
 PAIRED_WORKER_COLUMNS: Final = ["side", "instance", "engine", "model", "python", "extra_args", "cpus", "pid",
-                                "launch_s", "warmup_s", "pair_s"]
-"""``paired_workers``: every worker instance the paired stage launched (provenance and cost): ``launch_s``
-from its process's start to ready, ``warmup_s`` its warm-up; ``pair_s`` the wall time its instance pair
+                                "build", "launch_s", "warmup_s", "pair_s"]
+"""``paired_workers``: every worker instance the paired stage launched (provenance and cost): ``build`` the
+build its server reports (``Engine.build_identity``: the embedded worker's source digest, SGLang's or vLLM's
+version; empty when the engine does not say), ``launch_s`` from its process's start to ready, ``warmup_s`` its warm-up; ``pair_s`` the wall time its instance pair
 took, from stopping the previous pair to both ready and warm (the two start up side by side): what a
 restart costs the measurement, the same on both rows of a pair."""
 PAIRED_PROFILE_COLUMNS: Final = ["side", "engine", "status", "traces", "trace_bytes", "requests", "profile_s",

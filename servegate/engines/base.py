@@ -175,6 +175,12 @@ class Engine(abc.ABC):
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
         """Token capacity and max running requests from the server's info endpoint."""
 
+    def build_identity(self, session: requests.Session, base_url: str) -> str | None:
+        """Which build the running server is, as it reports it (a version, a source digest); None when the
+        engine does not say. The paired stage records it per worker and refuses two sides that name
+        different builds but run the same one."""
+        return None
+
 
 def probe(session: requests.Session, url: str, timeout_s: float) -> requests.Response:
     """One readiness request, ended within ``timeout_s`` from send to last byte."""

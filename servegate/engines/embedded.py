@@ -49,7 +49,10 @@ class EmbeddedEngine(Engine):
 
     def launch_command(self, spec: WorkerSpec, port: int) -> list[str]:
         budget = self.budget(spec)
-        cmd = [spec.python or sys.executable, "-m", "servegate", "worker",
+        # -P: the working directory is not put on sys.path, so a build named by worker.env's PYTHONPATH is the
+        # code that runs; without it a gate started from a servegate checkout ran that checkout's code in
+        # every worker, and a candidate tree on PYTHONPATH measured the baseline's code (docs/paired.md).
+        cmd = [spec.python or sys.executable, "-P", "-m", "servegate", "worker",
                "--model", spec.model, "--host", spec.host, "--port", str(port)]
         if budget.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(budget.max_total_tokens)]
@@ -62,6 +65,12 @@ class EmbeddedEngine(Engine):
     def flush(self, session: requests.Session, base_url: str, timeout_s: float,
               request_timeout_s: float | None = None) -> bool:
         return sglang_flush(session, base_url, timeout_s, request_timeout_s, self.name)
+
+    def build_identity(self, session: requests.Session, base_url: str) -> str | None:
+        source = (fetch_sglang_server_info(session, base_url) or {}).get("servegate_source")
+        if not isinstance(source, dict) or "digest" not in source:
+            return None
+        return f"servegate source {source['digest']}"  # the folder it ran from is in the server info
 
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
         doc = fetch_sglang_server_info(session, base_url)

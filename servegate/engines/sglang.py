@@ -256,6 +256,10 @@ class SGLangEngine(Engine):
               request_timeout_s: float | None = None) -> bool:
         return sglang_flush(session, base_url, timeout_s, request_timeout_s, self.name)
 
+    def build_identity(self, session: requests.Session, base_url: str) -> str | None:
+        version = (fetch_sglang_server_info(session, base_url) or {}).get("version")
+        return f"sglang {version}" if version else None
+
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
         doc = fetch_sglang_server_info(session, base_url)
         if doc is None:

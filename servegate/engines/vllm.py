@@ -22,7 +22,7 @@ from servegate.config import WorkerSpec
 from servegate.engine_install import resolve_engine_python
 from servegate.engines.base import Engine, ProfilerRoutes, Protocol, ServerCapacity, user_env
 from servegate.errors import ConfigError, FlushError
-from servegate.http import body_excerpt, join_url, request_within
+from servegate.http import body_excerpt, join_url, json_body, request_within
 from servegate.models import MODEL_ALIASES, ensure_model
 
 __all__ = ["VLLMEngine", "VLLM_METRIC_NAMES", "VLLM_PREFIX_CACHE_COUNTERS", "VLLM_SPEC_DECODE_COUNTERS", "vllm_speculative_config"]
@@ -230,6 +230,14 @@ class VLLMEngine(Engine):
                     f"to finish or raise flush.timeout_s"
                 )
             time.sleep(min(FLUSH_RETRY_INTERVAL_S, remaining))
+
+    def build_identity(self, session: requests.Session, base_url: str) -> str | None:
+        url = join_url(base_url, "/version")
+        response = request_within(session, "GET", url, limit_s=30.0, what=f"version (GET {url})", setting=None,
+                                  hint="check that the server is up")
+        doc = json_body(response, "reading the version") if response.status_code == 200 else None
+        version = doc.get("version") if isinstance(doc, dict) else None
+        return f"vllm {version}" if version else None
 
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
         # vLLM reports no KV token capacity or running-request cap over HTTP.

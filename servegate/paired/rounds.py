@@ -48,7 +48,9 @@ from servegate.config import PAIRED_METRICS, GateConfig, PairedConfig, ServingCo
 from servegate.engine_install import resolve_engine_python
 from servegate.engines import get_engine
 from servegate.errors import ConfigError, ServegateError, StageError, WorkerDiedError, WorkerLaunchError
+from servegate.http import make_session
 from servegate.launch import EXIT_GRACE_S
+from servegate.proctree import tree_cpu_seconds
 from servegate.paired.stats import METHOD, Interval, ratio_interval
 from servegate.tables import PAIRED_COLUMNS, PAIRED_PROFILE_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
 
@@ -75,7 +77,9 @@ PROFILE_TRACE_WAIT_S = 60.0
 may write them after it answers (SGLang: "This will take some time")."""
 
 _UNITS = {"itl_median_ms": "ms", "tpot_median_ms": "ms", "ttft_median_ms": "ms", "e2e_median_ms": "ms",
-          "output_throughput": "tok/s"}
+          "output_throughput": "tok/s", "cpu_ms_per_token": "ms"}
+CPU_METRIC = "cpu_ms_per_token"
+"""The paired metric the gate reads from the worker's process tree, not from the serving summary."""
 
 
 def did_not_start(side: str) -> str:
@@ -187,12 +191,14 @@ class PairedMeasurement:
         warmed = time.perf_counter() - t0
         if side.tokenizer is None and protocol_for(engine, self.config.serving.protocol).needs_text_prompts:
             side.tokenizer = load_prompt_tokenizer(side.spec.model)
+        with make_session(side.spec.api_key_value()) as session:
+            build = engine.build_identity(session, handle.base_url)
         return {
             "side": side.name, "instance": self.instance, "engine": side.spec.engine, "model": side.spec.model,
             "python": resolve_engine_python(side.spec.python) if side.spec.python else None,
             # The build's own arguments: the profiler's (paired.profile) are the gate's instrument, not the build's.
             "extra_args": json.dumps(side.spec.extra_args),
-            "cpus": json.dumps(side.spec.cpus), "pid": handle.pid, "launch_s": round(launched, 3),
+            "cpus": json.dumps(side.spec.cpus), "pid": handle.pid, "build": build, "launch_s": round(launched, 3),
             "warmup_s": round(warmed, 3)}
 
     def _stop_all(self) -> None:
@@ -238,6 +244,7 @@ class PairedMeasurement:
         took = time.perf_counter() - t0
         self.workers.extend({**row, "pair_s": round(took, 3)} for row in rows)
         self.tables["paired_workers"] = pd.DataFrame(self.workers, columns=PAIRED_WORKER_COLUMNS)
+        _check_distinct_builds(a.spec, b.spec, rows[0]["build"], rows[1]["build"])
         return took
 
     def check_alive(self, grace_s: float = 0.0) -> None:
@@ -271,15 +278,21 @@ class PairedMeasurement:
             time.sleep(self.settle_s)
         if start is not None:
             start.wait(timeout=self.config.flush.timeout_s + self.settle_s + 60.0)
+        pid = side.handle.pid
+        cpu_before = tree_cpu_seconds(pid) if pid is not None else math.nan
         out = run_serving(side.handle.base_url, engine, block_config(self.config, round_index), api_key=api_key,
                           tokenizer=side.tokenizer)
+        cpu_s = (tree_cpu_seconds(pid) if pid is not None else math.nan) - cpu_before
         row = out.summary.iloc[0]
         if int(row["failed"]) > 0:
             first = _first_failure(out.requests)
             raise StageError(f"{int(row['failed'])} of {self.p.requests_per_block} requests to the {side.name} "
                              f"worker failed in round {round_index + 1} (first: {first}); a round with failed "
                              f"requests is not a measurement (the worker's side: {side.log})")
-        return {metric: float(row[column]) for metric, (column, _) in PAIRED_METRICS.items()}
+        values = {metric: float(row[column]) for metric, (column, _) in PAIRED_METRICS.items() if metric != CPU_METRIC}
+        tokens = int(out.requests["output_tokens"].sum())
+        values[CPU_METRIC] = cpu_s * 1000.0 / tokens if tokens > 0 else math.nan
+        return values
 
     def _duet_block(self, side: _Side, round_index: int, start: threading.Barrier,
                     ended: dict[str, threading.Event], kept_busy: dict[str, float]) -> dict[str, float]:
@@ -612,6 +625,22 @@ def design(p: PairedConfig, restarting: bool) -> tuple[int, int]:
     instance pairs when the workers restart during the measurement, else rounds."""
     n_max = p.max_rounds // p.rounds_per_worker if restarting else p.max_rounds
     return p.min_units, max(p.min_units, n_max)
+
+
+def _check_distinct_builds(baseline: WorkerSpec, candidate: WorkerSpec, a_build: str | None,
+                           b_build: str | None) -> None:
+    """``ConfigError`` when the two sides name different code (another interpreter or ``PYTHONPATH``) but
+    their servers report the same build: the gate would measure one build against itself and pass any
+    regression. (How a candidate tree on PYTHONPATH once ran the baseline's code: docs/paired.md.)"""
+    names_other_code = (baseline.python != candidate.python
+                        or baseline.env.get("PYTHONPATH") != candidate.env.get("PYTHONPATH"))
+    if names_other_code and a_build is not None and a_build == b_build:
+        raise ConfigError(
+            f"the baseline and the candidate name different builds (python {baseline.python!r} / "
+            f"{candidate.python!r}, PYTHONPATH {baseline.env.get('PYTHONPATH')!r} / "
+            f"{candidate.env.get('PYTHONPATH')!r}) but both workers report the same one: {a_build}; a paired "
+            f"gate of one build against itself passes every regression. Check that the candidate's "
+            f"interpreter or PYTHONPATH holds its own code")
 
 
 def decide_metric(log_ratios: Sequence[float], direction: str, p: PairedConfig,

@@ -222,6 +222,7 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
     from servegate.worker.profiler import StepProfiler
     from servegate.worker.scheduler import Scheduler, SchedulerConfig
     from servegate.models import load_model
+    from servegate.provenance import source_identity
     from servegate.worker.fastpath import speed_up
     from servegate.worker.server import install_crash_fault
 
@@ -233,6 +234,7 @@ def _load_and_start(state: Any, args: argparse.Namespace, model_path: Path, cont
         model, tokenizer = load_model(model_path, args.dtype)
         # What it switched shows in /get_server_info, as SGLang shows its chosen backends there.
         state.server_args["cpu_fastpath"] = [] if args.disable_cpu_fastpath else speed_up(model)
+        state.server_args["servegate_source"] = source_identity()
         if state.faults.slow_activation_factor > 1:
             slowed = slow_down_activations(model, state.faults.slow_activation_factor)
             log.warning("fault injection: %d MLP activations computed %d times per call", slowed,

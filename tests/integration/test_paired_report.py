@@ -37,12 +37,12 @@ BOUND = PairedConfig().bound
 ROUNDS_PER_WORKER = PairedConfig().rounds_per_worker
 BLOCK_S, RESTART_S = 12.0, 20.0
 TRUE_RATIO = {"itl_median_ms": 1.043, "tpot_median_ms": 1.04, "ttft_median_ms": 1.0, "e2e_median_ms": 1.03,
-              "output_throughput": 0.97}
+              "output_throughput": 0.97, "cpu_ms_per_token": 1.04}
 """The candidate's slowdown per metric (itl is gated, the others are reported)."""
 BASE_VALUE = {"itl_median_ms": 80.0, "tpot_median_ms": 82.0, "ttft_median_ms": 600.0, "e2e_median_ms": 6000.0,
-              "output_throughput": 40.0}
+              "output_throughput": 40.0, "cpu_ms_per_token": 38.0}
 UNITS = {"itl_median_ms": "ms", "tpot_median_ms": "ms", "ttft_median_ms": "ms", "e2e_median_ms": "ms",
-         "output_throughput": "tok/s"}
+         "output_throughput": "tok/s", "cpu_ms_per_token": "ms"}
 BASELINE_PYTHON = "/opt/engines/embedded-1.4/bin/python"
 NOISE = 0.02
 SEED = 1
@@ -166,7 +166,7 @@ def test_the_simulated_tables_are_what_the_stage_would_write() -> None:
     assert row.ci_low > 1 + BOUND and row.ratio == pytest.approx(1.043, abs=0.01)
     assert set(tables["paired"].loc[~tables["paired"]["gated"], "decision"]) == {"report_only"}
     assert list(tables["paired"]["paired_decision"]) == ["regression", "regression", "no_change", "regression",
-                                                         "inconclusive"]
+                                                         "inconclusive", "inconclusive"]
     assert tables["paired_rounds"]["round"].max() == row.rounds
     assert set(tables["paired_workers"]["instance"]) == set(range(row.instances))
 

@@ -120,7 +120,7 @@ def test_vllm_command_with_python_and_options() -> None:
 def test_embedded_command_per_profile(profile: str) -> None:
     spec = WorkerSpec(engine="embedded", model="tiny-random", memory_profile=profile, enable_metrics=False)
     assert EmbeddedEngine().launch_command(spec, 30001) == [
-        sys.executable, "-m", "servegate", "worker", "--model", "tiny-random", "--host", "127.0.0.1",
+        sys.executable, "-P", "-m", "servegate", "worker", "--model", "tiny-random", "--host", "127.0.0.1",
         "--port", "30001", *EMBEDDED_BUDGET_ARGS[profile]]
 
 
@@ -128,7 +128,7 @@ def test_embedded_command() -> None:
     spec = WorkerSpec(engine="embedded", model="tiny-random", memory_profile="cpu-small",
                       speculative_num_draft_tokens=4, api_key="secret", extra_args=["--dtype", "float32"])
     assert EmbeddedEngine().launch_command(spec, 30001) == [
-        sys.executable, "-m", "servegate", "worker", "--model", "tiny-random", "--host", "127.0.0.1",
+        sys.executable, "-P", "-m", "servegate", "worker", "--model", "tiny-random", "--host", "127.0.0.1",
         "--port", "30001", "--max-total-tokens", "16384", "--max-running-requests", "16", "--enable-metrics",
         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", "--dtype", "float32"]
     assert EmbeddedEngine().launch_env(spec) == {"SERVEGATE_API_KEY": "secret"}
