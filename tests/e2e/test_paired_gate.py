@@ -89,6 +89,32 @@ def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path
     assert not worker_processes(tmp_path)
 
 
+def test_a_real_slower_kernel_in_the_candidate_fails_the_paired_gate(tmp_path: Path):
+    # Not a fault switch: the candidate is another build of the worker, this source with one real change
+    # (the zoo's linears-unpacked: the MLP down projections left on torch's plain bfloat16 linear, +9 % per
+    # decode step solo), on its PYTHONPATH, and the gate started from this checkout as a user would. That
+    # is how the duet once passed it (x1.002: the checkout's own code ran on both sides, docs/paired.md).
+    from servegate.paired.zoo import build_tree
+    from servegate.provenance import source_identity
+
+    tree = build_tree("linears-unpacked", tmp_path / "candidate")
+    proc, verdict = _run(tmp_path, "--set", f'worker.env={{"PYTHONPATH": "{tree}"}}', "--set", "paired.min_units=6",
+                         "--set", "paired.max_rounds=16")
+    run_dir = Path(verdict["run_dir"])
+    rounds = pd.read_parquet(run_dir / "paired_rounds.parquet")
+    shown = rounds[rounds["metric"].isin(["itl_median_ms", "cpu_ms_per_token"])].to_string()
+    assert proc.returncode == 1, f"{verdict}\n{shown}\n{proc.stderr[-3000:]}"
+    paired = pd.read_parquet(run_dir / "paired.parquet").set_index("metric")
+    itl, cpu = paired.loc["itl_median_ms"], paired.loc["cpu_ms_per_token"]
+    assert itl["decision"] == "regression" and itl["ci_low"] > 1 + BOUND, shown
+    # Read near its solo size, on both what the user feels and the worker's own CPU time per token.
+    assert 1.05 < itl["ratio"] < 1.16 and 1.04 < cpu["ratio"] < 1.16, shown
+    workers = pd.read_parquet(run_dir / "paired_workers.parquet").drop_duplicates("side").set_index("side")
+    assert workers.loc["baseline", "build"] == f"servegate source {source_identity()['digest']}"
+    assert workers.loc["candidate", "build"] == f"servegate source {source_identity(tree / 'servegate')['digest']}"
+    assert not worker_processes(tmp_path)
+
+
 def test_the_same_build_on_both_sides_never_fails(tmp_path: Path):
     # 180 s, not 300: whether the interval excludes a 5 % regression in time (exit 0)
     # or not (exit 2), an A/A gate must never fail; it ran to its 300 s budget on CI (238 s of the suite).

@@ -230,3 +230,44 @@ def test_a_server_that_busy_waits_after_its_last_step_gets_a_pause_before_each_b
     vllm = load_config(profile="vllm-cpu-ab")
     assert PairedMeasurement(vllm, tmp_path, register=lambda h: None, tables={}).settle_s == 1.5
     assert PairedMeasurement(_config(), tmp_path, register=lambda h: None, tables={}).settle_s == 0.0
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_candidate_tree_on_pythonpath_runs_its_own_code_from_a_checkout(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    # Started from a servegate checkout (its working directory holds servegate/), a candidate whose
+    # PYTHONPATH names another tree once ran the checkout's code: a real +9 % kernel read x1.002 (docs/paired.md).
+    from servegate.paired.zoo import build_tree
+    from servegate.provenance import source_identity
+
+    monkeypatch.chdir(REPO)
+    tree = build_tree("linears-unpacked", tmp_path / "zoo")
+    m, launched = _measure(tmp_path, f'worker.env={{"PYTHONPATH": "{tree}"}}', "paired.min_rounds=3",
+                           "paired.min_units=3", "paired.max_rounds=3", "paired.rounds_per_worker=3")
+    workers = m.tables["paired_workers"].set_index("side")
+    assert workers.loc["baseline", "build"] == f"servegate source {source_identity()['digest']}"
+    assert workers.loc["candidate", "build"] == f"servegate source {source_identity(tree / 'servegate')['digest']}"
+    assert source_identity(tree / "servegate")["digest"] != source_identity()["digest"]
+    # Each side's own CPU time per output token is measured beside its latency (docs/paired.md).
+    cpu = m.tables["paired_rounds"].set_index("metric").loc["cpu_ms_per_token"]
+    assert len(cpu) == 3 and (cpu["a_value"] > 0).all() and (cpu["b_value"] > 0).all()
+    assert not any(h.is_alive() for h in launched)
+
+
+def test_two_sides_naming_different_builds_but_running_one_are_refused(tmp_path: Path):
+    import shutil
+
+    from servegate.errors import ConfigError
+    from servegate.provenance import source_identity
+
+    same = tmp_path / "copy"
+    shutil.copytree(source_identity()["path"], same / "servegate", ignore=shutil.ignore_patterns("__pycache__"))
+    launched: list = []
+    m = PairedMeasurement(_config(f'worker.env={{"PYTHONPATH": "{same}"}}'), tmp_path, register=launched.append,
+                          tables={})
+    with pytest.raises(ConfigError, match=r"name different builds .* but both workers report the same one: "
+                                          r"servegate source [0-9a-f]{16}"):
+        m.run()
+    assert m.rounds == [] and not any(h.is_alive() for h in launched)
