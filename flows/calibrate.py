@@ -16,13 +16,15 @@ from typing import Any
 
 from prefect import flow
 
-from servegate.calibrate import (RUNS_FILE, CalibrationPlan, CalibrationRun, analyse, analyse_paired,
+from servegate.calibrate import (RUNS_FILE, Arm, CalibrationPlan, CalibrationRun, analyse, analyse_paired,
                                  figures_records, format_calibration, measurement_seconds, previous_runs,
                                  remaining_schedule, run_config, summarise, summarise_paired, write_setup)
 from servegate import jsonio
 from servegate.config import GateConfig
 from servegate.errors import ConfigError
 from servegate.flows.gate import regression_gate
+from servegate.paired.solo import run_solo
+from servegate.paired.zoo import build_tree
 from servegate.runstate import resolve_config
 from servegate.results import RunFolder
 from servegate.history import GateKey, Store
@@ -31,8 +33,9 @@ from servegate.tasks._artifacts import publish
 logger = logging.getLogger("servegate.flows.calibrate")
 
 
-def _load_run(index: int, slowdown_pct: float, result: dict[str, Any], plan: CalibrationPlan) -> CalibrationRun:
-    run = CalibrationRun(index, slowdown_pct, run_dir=result["run_dir"], status=result["verdict"]["status"])
+def _load_run(index: int, arm: Arm, result: dict[str, Any], plan: CalibrationPlan) -> CalibrationRun:
+    run = CalibrationRun(index, arm.slowdown_pct, arm.regression, run_dir=result["run_dir"],
+                         status=result["verdict"]["status"])
     folder = RunFolder.open(result["run_dir"])
     stages = folder.read_json("stages") if (Path(result["run_dir"]) / "stages.json").is_file() else {}
     run.measurement_s = measurement_seconds(stages, plan.mode)
@@ -44,6 +47,33 @@ def _load_run(index: int, slowdown_pct: float, result: dict[str, Any], plan: Cal
         return run
     run.read_tables(plan.mode)
     return run
+
+
+ZOO_DIR = "zoo"
+"""The calibration folder's subfolder of the zoo regressions' built trees, one per member."""
+SOLO_FILE = "solo.json"
+"""Each zoo regression's solo effect, measured once per calibration (kept when it resumes)."""
+
+
+def _solo_effects(out: Path, config: GateConfig, plan: CalibrationPlan, trees: dict[str, Path]) -> dict[str, Any]:
+    """Each zoo regression's solo effect (:mod:`servegate.paired.solo`: its decode steps alternated with the
+    baseline's in one process, on the paired workload, pinned where the candidate worker runs): what the
+    gate's reading of it is held against. Measured before its first decision, kept in ``solo.json``."""
+    path = out / SOLO_FILE
+    solo: dict[str, Any] = jsonio.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    p = config.paired
+    for name, tree in trees.items():
+        if name in solo:
+            continue
+        logger.info("solo effect of %s: its decode steps alternated with the baseline's in one process", name)
+        solo[name] = run_solo(tree, model=config.worker.model, requests_per_block=p.requests_per_block,
+                              input_len=p.input_len, output_len=p.output_len,
+                              cpu=config.worker.cpus[0] if config.worker.cpus else None,
+                              log_path=out / ZOO_DIR / f"{name}-solo.log")
+        logger.info("solo effect of %s: x%.4f [%.4f, %.4f]", name, solo[name]["ratio"], solo[name]["ci_low"],
+                    solo[name]["ci_high"])
+        path.write_text(jsonio.dumps(solo, indent=True), encoding="utf-8")
+    return solo
 
 
 @flow(name="calibrate-gate", log_prints=False, validate_parameters=True)
@@ -76,15 +106,18 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
     if runs:
         logger.info("resuming the calibration in %s: %d run(s) made, %d to go", out, len(runs), len(order))
     total = len(runs) + len(order)
-    for pct in order:
+    trees = {name: build_tree(name, out / ZOO_DIR / name) for name in the_plan.regressions}
+    solo = _solo_effects(out, config, the_plan, trees)
+    for arm in order:
         index = len(runs)
-        logger.info("calibration run %d/%d: %s", index + 1, total, "A (unchanged)" if not pct else f"+{pct:g}%")
-        result = regression_gate(config=run_config(config, pct, out / "runs", the_plan.mode))
-        run = _load_run(index, pct, result, the_plan)
+        logger.info("calibration run %d/%d: %s", index + 1, total, "A (unchanged)" if arm.unchanged else arm.label)
+        result = regression_gate(config=run_config(config, arm, out / "runs", the_plan.mode,
+                                                   trees.get(arm.regression)))
+        run = _load_run(index, arm, result, the_plan)
         runs.append(run)
         (out / RUNS_FILE).write_text(jsonio.dumps([r.record() for r in runs], indent=True))
     if the_plan.mode == "paired":
-        figures, decisions = analyse_paired(runs, the_plan)
+        figures, decisions = analyse_paired(runs, the_plan, solo)
         summary = summarise_paired(runs, figures, decisions, the_plan)
         decisions.to_csv(out / "decisions.csv", index=False)
     else:

@@ -131,26 +131,51 @@ SLOWDOWN_FLAG = "--fault-decode-compute-pct"
 DETECTION_TARGET = 0.95
 
 
+@dataclass(frozen=True)
+class Arm:
+    """What a calibration run's candidate is: unchanged (A), slowed by the synthetic decode fault
+    (``slowdown_pct``), or a real code regression of the zoo (``regression``, :mod:`servegate.paired.zoo`)."""
+
+    slowdown_pct: float = 0.0
+    regression: str = ""
+
+    @property
+    def unchanged(self) -> bool:
+        return not self.slowdown_pct and not self.regression
+
+    @property
+    def label(self) -> str:
+        if self.regression:
+            return self.regression
+        return "A" if self.unchanged else f"+{self.slowdown_pct:g}%"
+
+
 @dataclass
 class CalibrationRun:
     """One gate run made by calibration."""
 
     index: int
-    slowdown_pct: float  # 0 for an A run
+    slowdown_pct: float  # 0 for an A run and for a zoo regression
+    regression: str = ""  # the zoo member the candidate runs, if any
     run_dir: str = ""
     status: str = ""  # the run's own verdict (absolute checks)
     measurement_s: float = math.nan
     tables: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
 
     @property
+    def arm(self) -> Arm:
+        return Arm(self.slowdown_pct, self.regression)
+
+    @property
     def label(self) -> str:
-        return "A" if self.slowdown_pct == 0 else f"+{self.slowdown_pct:g}%"
+        return self.arm.label
 
     def record(self) -> dict[str, Any]:
         """The run as calibration records it (``runs.json``, the summary's ``runs``). ``kept``: its
         tables count (a run that broke is left out of the figures)."""
-        return {"index": self.index, "slowdown_pct": self.slowdown_pct, "status": self.status,
-                "run_dir": self.run_dir, "measurement_s": self.measurement_s, "kept": bool(self.tables)}
+        return {"index": self.index, "slowdown_pct": self.slowdown_pct, "regression": self.regression,
+                "status": self.status, "run_dir": self.run_dir, "measurement_s": self.measurement_s,
+                "kept": bool(self.tables)}
 
     def read_tables(self, mode: CalibrationMode) -> None:
         """Read the tables the analysis of ``mode`` needs from the run's folder."""
@@ -162,7 +187,8 @@ class CalibrationRun:
     @classmethod
     def from_record(cls, record: Mapping[str, Any], mode: CalibrationMode) -> "CalibrationRun":
         """A run of an earlier invocation (``runs.json``), its tables read again when they counted."""
-        run = cls(int(record["index"]), float(record["slowdown_pct"]), run_dir=str(record["run_dir"]),
+        run = cls(int(record["index"]), float(record["slowdown_pct"]), str(record.get("regression") or ""),
+                  run_dir=str(record["run_dir"]),
                   status=str(record["status"]), measurement_s=float(record["measurement_s"]))
         if record.get("kept"):
             try:
@@ -174,30 +200,36 @@ class CalibrationRun:
         return run
 
 
-def schedule(plan: CalibrationPlan) -> list[float]:
-    """The slowdown of each run in order (0 = A): two A runs (history mode: the first comparison
-    needs an earlier A run; paired decisions stand alone), then interleaved rounds."""
-    order = [0.0] * min(2 if plan.mode == "history" else 0, plan.aa_runs)
+def plan_arms(plan: CalibrationPlan) -> list[Arm]:
+    """The plan's arms: A, each slowdown, each zoo regression."""
+    return [Arm(), *(Arm(float(p)) for p in plan.slowdowns_pct), *(Arm(regression=n) for n in plan.regressions)]
+
+
+def schedule(plan: CalibrationPlan) -> list[Arm]:
+    """The arm of each run in order: two A runs (history mode: the first comparison needs an earlier A
+    run; paired decisions stand alone), then interleaved rounds of A and every other arm."""
+    order = [Arm()] * min(2 if plan.mode == "history" else 0, plan.aa_runs)
     remaining_a = plan.aa_runs - len(order)
-    rounds = max(remaining_a, plan.runs_per_slowdown if plan.slowdowns_pct else 0)
+    changed = plan_arms(plan)[1:]
+    rounds = max(remaining_a, plan.runs_per_slowdown if changed else 0)
     for r in range(rounds):
         if r < remaining_a:
-            order.append(0.0)
+            order.append(Arm())
         if r < plan.runs_per_slowdown:
-            order.extend(float(p) for p in plan.slowdowns_pct)
+            order.extend(changed)
     return order
 
 
-def remaining_schedule(plan: CalibrationPlan, done: Sequence[CalibrationRun]) -> list[float]:
+def remaining_schedule(plan: CalibrationPlan, done: Sequence[CalibrationRun]) -> list[Arm]:
     """The plan's schedule less the runs already made (a resumed calibration): per arm, as many of
     its entries as runs of it are done are dropped, first ones first, so the rest keeps its order."""
-    left = Counter(run.slowdown_pct for run in done)
+    left = Counter(run.arm for run in done)
     todo = []
-    for pct in schedule(plan):
-        if left[pct] > 0:
-            left[pct] -= 1
+    for arm in schedule(plan):
+        if left[arm] > 0:
+            left[arm] -= 1
         else:
-            todo.append(pct)
+            todo.append(arm)
     return todo
 
 
@@ -208,7 +240,7 @@ RUNS_FILE = "runs.json"
 _UNMEASURED_FIELDS = ("output_dir", "store")
 """Config fields that do not change what a calibration run measures (where it is written and
 recorded): a resumed calibration may differ in them."""
-_GROWABLE_PLAN_FIELDS = ("aa_runs", "slowdowns_pct", "runs_per_slowdown")
+_GROWABLE_PLAN_FIELDS = ("aa_runs", "slowdowns_pct", "runs_per_slowdown", "regressions")
 
 
 def _setup(config: GateConfig, plan: CalibrationPlan) -> dict[str, Any]:
@@ -264,23 +296,44 @@ def previous_runs(out: Path, config: GateConfig, plan: CalibrationPlan, *, resum
                           f"profile, --set options and --paired as it was started with (only --aa-runs, --slowdowns "
                           f"and --runs-per-slowdown may grow), or start a new one in another --output-dir")
     runs = [CalibrationRun.from_record(r, plan.mode) for r in records]
-    planned = {0.0, *plan.slowdowns_pct}
-    stray = sorted({r.slowdown_pct for r in runs} - planned)
+    stray = sorted({r.arm.label for r in runs if r.arm not in set(plan_arms(plan))})
     if stray:
-        raise ConfigError(f"the calibration in {out} has runs with slowdowns {[f'{p:g}' for p in stray]} that this "
-                          f"plan ({[f'{p:g}' for p in plan.slowdowns_pct]}) leaves out; name them in --slowdowns "
-                          f"to resume it")
+        raise ConfigError(f"the calibration in {out} has runs of arms {stray} that this plan "
+                          f"({[a.label for a in plan_arms(plan)]}) leaves out; name them in --slowdowns or "
+                          f"--regressions to resume it")
     return runs
 
 
-def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path,
-               mode: CalibrationMode = "history") -> GateConfig:
-    """The gate config of one calibration run: nothing recorded, and for an A/B run the decode
-    slowdown appended to the (candidate) worker's launch arguments. History mode measures the
-    compared stages only; paired mode the paired stage only."""
-    if slowdown_pct and config.worker.engine != "embedded":
+def check_arm(config: GateConfig, arm: Arm, mode: CalibrationMode) -> None:
+    """``ConfigError`` when ``arm`` cannot run with ``config``: a synthetic slowdown or a zoo regression
+    needs the embedded worker (its decode fault, its source), a zoo regression a paired calibration."""
+    if arm.slowdown_pct and config.worker.engine != "embedded":
         raise ConfigError(f"injected slowdowns need the embedded worker's decode fault; engine "
                           f"{config.worker.engine!r} has none. Calibrate A/A only with --slowdowns ''")
+    if arm.regression:
+        from servegate.paired.zoo import zoo_regression
+
+        zoo_regression(arm.regression)
+        if config.worker.engine != "embedded" or mode != "paired":
+            raise ConfigError(f"the zoo regression {arm.regression!r} is a change of the embedded worker's code, "
+                              f"decided by the paired stage: calibrate it with --paired and the embedded worker "
+                              f"(e.g. --profile smoke-ab), not engine {config.worker.engine!r} in {mode} mode")
+        if "PYTHONPATH" in config.worker.env:
+            raise ConfigError("a zoo regression puts its own tree on the candidate's PYTHONPATH; the config already "
+                              "sets worker.env.PYTHONPATH: calibrate an unchanged worker (remove it)")
+
+
+def run_config(config: GateConfig, arm: Arm, output_dir: Path, mode: CalibrationMode = "history",
+               tree: Path | None = None) -> GateConfig:
+    """The gate config of one calibration run: nothing recorded, and for an A/B run the decode
+    slowdown appended to the (candidate) worker's launch arguments, or for a zoo regression its
+    ``tree`` (:func:`servegate.paired.zoo.build_tree`) first on the candidate's ``PYTHONPATH``. History
+    mode measures the compared stages only; paired mode the paired stage only."""
+    check_arm(config, arm, mode)
+    if arm.regression and tree is None:
+        raise ConfigError(f"the zoo regression {arm.regression!r} needs its built tree "
+                          "(servegate.paired.zoo.build_tree)")
+    slowdown_pct = arm.slowdown_pct
     data = config.model_dump(by_alias=True)
     data["output_dir"] = str(output_dir)
     data["compare"]["enabled"] = False
@@ -304,6 +357,8 @@ def run_config(config: GateConfig, slowdown_pct: float, output_dir: Path,
     if slowdown_pct:
         args += [SLOWDOWN_FLAG, f"{slowdown_pct:g}"]
     data["worker"]["extra_args"] = args
+    if tree is not None:
+        data["worker"]["env"] = {**data["worker"]["env"], "PYTHONPATH": str(tree)}
     return GateConfig.model_validate(data)
 
 
@@ -467,8 +522,8 @@ def summarise(runs: Sequence[CalibrationRun], figures: pd.DataFrame, comparisons
 
 
 # ---- paired mode ----------------------------------------------------------------------------
-PAIRED_DECISION_COLUMNS = ["run", "slowdown_pct", "arm", "status", "gate_decision", "metric", "gated", "direction",
-                           "decision", "ratio", "ci_low", "ci_high", "bound", "rounds", "measure_s",
+PAIRED_DECISION_COLUMNS = ["run", "slowdown_pct", "regression", "arm", "status", "gate_decision", "metric", "gated",
+                           "direction", "decision", "ratio", "ci_low", "ci_high", "bound", "rounds", "measure_s",
                            "stopped_because", "itl_ratio"]
 """``paired_decisions``: one row per calibration decision and paired metric (``decision`` is what
 the interval says, gated or not; ``gate_decision`` the run's over its gated metrics)."""
@@ -496,7 +551,8 @@ def paired_decisions(runs: Sequence[CalibrationRun]) -> pd.DataFrame:
         itl_ratio = float(itl.iloc[0]) if len(itl) else math.nan
         gate_decision = _gate_decision(list(table.loc[table["gated"].astype(bool), "paired_decision"]))
         for r in table.itertuples(index=False):
-            rows.append({"run": run.index, "slowdown_pct": run.slowdown_pct, "arm": run.label, "status": run.status,
+            rows.append({"run": run.index, "slowdown_pct": run.slowdown_pct, "regression": run.regression,
+                         "arm": run.label, "status": run.status,
                          "gate_decision": gate_decision, "metric": r.metric, "gated": bool(r.gated),
                          "direction": r.direction, "decision": r.paired_decision, "ratio": float(r.ratio),
                          "ci_low": float(r.ci_low), "ci_high": float(r.ci_high), "bound": float(r.bound),
@@ -511,32 +567,49 @@ def _median(values: pd.Series) -> float:
     return float(np.median(vals)) if vals.size else math.nan
 
 
-def analyse_paired(runs: Sequence[CalibrationRun], plan: CalibrationPlan) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _of_arm(frame: pd.DataFrame, arm: Arm) -> pd.DataFrame:
+    """The rows of ``frame`` (with ``slowdown_pct`` and ``regression`` columns) that belong to ``arm``."""
+    return frame[(frame["slowdown_pct"] == arm.slowdown_pct) & (frame["regression"] == arm.regression)]
+
+
+def analyse_paired(runs: Sequence[CalibrationRun], plan: CalibrationPlan,
+                   solo: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(figures, decisions)`` of a paired calibration (module docstring): figures one row per
-    gated metric and arm, decisions one row per decision and metric."""
+    gated metric and arm, decisions one row per decision and metric. ``solo``: per zoo regression its
+    solo effect (:class:`servegate.paired.solo.SoloEffect` as a dict), shown beside what the gate read:
+    ``read_of_solo`` is the metric's median log ratio over the solo log ratio (1: read at its solo size)."""
     decisions = paired_decisions(runs)
-    a_runs = decisions.loc[decisions["slowdown_pct"] == 0, "run"].nunique() if len(decisions) else 0
+    solo = solo or {}
+    aa_rows = _of_arm(decisions, Arm()) if len(decisions) else decisions
+    a_runs = aa_rows["run"].nunique() if len(aa_rows) else 0
     if a_runs < 1:
         raise InfraError("no A/A paired decision produced a paired table; calibration needs at least 1 (see the "
                          "runs' verdicts and their worker.log / baseline-worker.log files, then calibrate again)")
     gated = decisions[decisions["gated"]]
     figures = []
     for metric, of_metric in gated.groupby("metric", sort=False):
-        for pct in (0.0, *plan.slowdowns_pct):
-            rows = of_metric[of_metric["slowdown_pct"] == pct]
+        for arm in plan_arms(plan):
+            rows = _of_arm(of_metric, arm)
             n, k = len(rows), int((rows["decision"] == "regression").sum())
             low, high = _exact95(k, n)
+            effect = solo.get(arm.regression, {}) if arm.regression else {}
+            solo_ratio = float(effect.get("ratio", math.nan))
+            median_ratio = _median(rows["ratio"])
             figures.append({
                 "metric": metric, "case": "", "statistic": "paired", "direction": of_metric["direction"].iloc[0],
-                "bound": float(of_metric["bound"].iloc[0]), "arm": "A/A" if pct == 0 else f"+{pct:g}%",
-                "slowdown_pct": pct, "decisions": n, "regressions": k,
+                "bound": float(of_metric["bound"].iloc[0]), "arm": "A/A" if arm.unchanged else arm.label,
+                "slowdown_pct": arm.slowdown_pct, "regression": arm.regression, "decisions": n, "regressions": k,
                 "no_change": int((rows["decision"] == "no_change").sum()),
                 "improvements": int((rows["decision"] == "improvement").sum()),
                 "inconclusive": int((rows["decision"] == "inconclusive").sum()),
                 "regression_rate": k / n if n else math.nan, "rate_low95": low, "rate_high95": high,
-                "false_alarm_upper95": _upper95(k, n) if pct == 0 else math.nan,
+                "false_alarm_upper95": _upper95(k, n) if arm.unchanged else math.nan,
                 "median_rounds": _median(rows["rounds"]), "median_measure_s": _median(rows["measure_s"]),
-                "median_ratio": _median(rows["ratio"]), "median_itl_ratio": _median(rows["itl_ratio"]),
+                "median_ratio": median_ratio, "median_itl_ratio": _median(rows["itl_ratio"]),
+                "solo_ratio": solo_ratio, "solo_ci_low": float(effect.get("ci_low", math.nan)),
+                "solo_ci_high": float(effect.get("ci_high", math.nan)),
+                "read_of_solo": (math.log(median_ratio) / math.log(solo_ratio)
+                                 if solo_ratio > 0 and solo_ratio != 1 and median_ratio > 0 else math.nan),
             })
     return pd.DataFrame(figures), decisions
 
@@ -561,20 +634,21 @@ def summarise_paired(runs: Sequence[CalibrationRun], figures: pd.DataFrame, deci
             rec["gate_decision"] = None  # broke: left out
         records.append(rec)
     bound = float(decisions["bound"].iloc[0]) if len(decisions) else math.nan
-    aa = per_run[per_run["slowdown_pct"] == 0] if len(per_run) else per_run
+    aa = _of_arm(per_run, Arm()) if len(per_run) else per_run
     n_aa, k_aa = len(aa), int((aa["gate_decision"] == "regression").sum()) if len(aa) else 0
     detections = {}
-    for pct in plan.slowdowns_pct:
-        arm = per_run[per_run["slowdown_pct"] == pct] if len(per_run) else per_run
-        k = int((arm["gate_decision"] == "regression").sum()) if len(arm) else 0
-        low, high = _exact95(k, len(arm))
-        detections[f"{pct:g}"] = {"decisions": len(arm), "detections": k, "rate_low95": low, "rate_high95": high}
+    for arm in plan_arms(plan)[1:]:
+        of_arm = _of_arm(per_run, arm) if len(per_run) else per_run
+        k = int((of_arm["gate_decision"] == "regression").sum()) if len(of_arm) else 0
+        low, high = _exact95(k, len(of_arm))
+        key = arm.regression or f"{arm.slowdown_pct:g}"
+        detections[key] = {"decisions": len(of_arm), "detections": k, "rate_low95": low, "rate_high95": high}
     return {
         "mode": "paired",
         "bound": bound,
         "runs": records,
         "aa_runs": n_aa,
-        "ab_runs": int((per_run["slowdown_pct"] > 0).sum()) if len(per_run) else 0,
+        "ab_runs": int(((per_run["slowdown_pct"] > 0) | (per_run["regression"] != "")).sum()) if len(per_run) else 0,
         "left_out": sum(1 for r in records if r["gate_decision"] is None),
         "measurement_s_per_run": float(np.median([r.measurement_s for r in runs if math.isfinite(r.measurement_s)]
                                                  or [math.nan])),
@@ -592,14 +666,18 @@ def _format_paired(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str:
     for r in figures.itertuples(index=False):
         rate = (f"{r.regressions}/{r.decisions} = {percent_text(r.regression_rate)} "
                 f"[{percent_text(r.rate_low95)}, {percent_text(r.rate_high95)}]")
+        solo_ratio = getattr(r, "solo_ratio", math.nan)
+        solo = (f"x{solo_ratio:.4f}, read {r.read_of_solo:.2f} of it" if isinstance(solo_ratio, float)
+                and math.isfinite(solo_ratio) else "-")
         rows.append([r.metric, r.arm, rate, percent_text(r.false_alarm_upper95), f"{r.inconclusive}",
                      f"{r.median_rounds:g}", f"{r.median_measure_s:.0f}", f"x{r.median_ratio:.4f}",
-                     f"x{r.median_itl_ratio:.4f}"])
+                     f"x{r.median_itl_ratio:.4f}", solo])
     headers = ["metric", "arm", "regressions (95% CI)", "false-alarm upper95", "undecided", "median rounds",
-               "median s", "ratio", "ITL ratio"]
+               "median s", "ratio", "ITL ratio", "solo effect"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True), ""]
     lines.append(f"paired decisions at bound {percent_text(summary['bound'])}: {summary['aa_runs']} A/A, "
-                 f"{summary['ab_runs']} with a slowdown, {summary['left_out']} left out (broke); measurement per "
+                 f"{summary['ab_runs']} with a slowdown or regression, {summary['left_out']} left out (broke); "
+                 f"measurement per "
                  f"A/A decision {summary['measurement_s_per_decision']:.0f} s (median, first round to decision)")
     for bound, g in summary["gate_false_alarms"].items():
         lines.append(f"gate-level false alarms at bound {percent_text(float(bound))}: {g['false_alarms']}/"

@@ -42,6 +42,9 @@ class CalibrationPlan:
     confidence: float = 0.95
     n_boot: int = 2000
     mode: CalibrationMode = "history"
+    regressions: tuple[str, ...] = ()
+    """Zoo members (:mod:`servegate.paired.zoo`: real code changes of the embedded worker) decided like
+    slowdowns, ``runs_per_slowdown`` decisions each; paired mode only."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("history", "paired"):
@@ -53,8 +56,13 @@ class CalibrationPlan:
                               f"(--aa-runs), got {self.aa_runs}")
         if any(not (math.isfinite(p) and p > 0) for p in self.slowdowns_pct):
             raise ConfigError(f"slowdowns are percentages > 0 (e.g. --slowdowns 5,10,30), got {self.slowdowns_pct}")
-        if self.slowdowns_pct and self.runs_per_slowdown < 1:
-            raise ConfigError("--runs-per-slowdown must be >= 1 when slowdowns are given")
+        if (self.slowdowns_pct or self.regressions) and self.runs_per_slowdown < 1:
+            raise ConfigError("--runs-per-slowdown must be >= 1 when slowdowns or regressions are given")
+        if self.regressions and self.mode != "paired":
+            raise ConfigError("--regressions (real code regressions of the zoo) calibrate paired decisions: add "
+                              "--paired")
+        if len(set(self.regressions)) != len(self.regressions):
+            raise ConfigError(f"--regressions names a member twice: {list(self.regressions)}")
         if not self.bounds or any(not 0 < b < 1 for b in self.bounds):
             raise ConfigError(f"bounds are fractions in (0, 1) (e.g. --bounds 0.02,0.05), got {self.bounds}")
         if self.baseline_n < 1:

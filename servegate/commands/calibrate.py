@@ -49,6 +49,11 @@ def add_arguments(subparsers: Any) -> None:
     p.add_argument("--runs-per-slowdown", type=int, default=None,
                    help=f"runs per injected slowdown (default {CalibrationPlan.runs_per_slowdown}; with --paired: "
                         f"decisions, default {PAIRED_DEFAULTS['runs_per_slowdown']})")
+    p.add_argument("--regressions", default=None,
+                   help="with --paired: real code regressions of the embedded worker to decide besides the "
+                        "slowdowns, comma-separated zoo members (servegate/paired/zoo.py: linears-unpacked, "
+                        "attention-bf16, detokenize-full, sampler-one-path), each --runs-per-slowdown decisions "
+                        "and its solo effect measured beside them; 'all' for every member")
     p.add_argument("--bounds", default=None,
                    help=f"minimum effects to evaluate, as fractions (default "
                         f"{','.join(f'{x:g}' for x in CalibrationPlan.bounds)}; not with --paired, whose decisions "
@@ -79,20 +84,36 @@ def _plan(args: argparse.Namespace, compare_n: int) -> CalibrationPlan:
         runs_per_slowdown=(args.runs_per_slowdown if args.runs_per_slowdown is not None
                            else defaults.get("runs_per_slowdown", CalibrationPlan.runs_per_slowdown)),
         bounds=_floats(args.bounds, "--bounds") if args.bounds is not None else CalibrationPlan.bounds,
-        baseline_n=args.baseline_n or compare_n, mode="paired" if args.paired else "history")
+        baseline_n=args.baseline_n or compare_n, mode="paired" if args.paired else "history",
+        regressions=_regressions(args.regressions))
+
+
+def _regressions(text: str | None) -> tuple[str, ...]:
+    """``--regressions``: zoo member names (``all``: every member); unknown names list the valid ones."""
+    from servegate.paired.zoo import ZOO, zoo_regression
+
+    if not text:
+        return ()
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names == ("all",):
+        return tuple(ZOO)
+    for name in names:
+        zoo_regression(name)
+    return names
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from servegate import jsonio
-    from servegate.calibrate import format_calibration, run_config
+    from servegate.calibrate import Arm, check_arm, format_calibration, plan_arms, run_config
     from servegate.verdict import ExitCode
 
     config = load_gate_config(args, [f"store.url={args.db}"] if args.db else [])
     plan = _plan(args, config.compare.n)
-    for pct in (0.0, *plan.slowdowns_pct):  # refuse a plan that cannot run before the first run, not after it
-        run_config(config, pct, Path(config.output_dir), plan.mode)
+    for arm in plan_arms(plan):  # refuse a plan that cannot run before the first run, not after it
+        check_arm(config, arm, plan.mode)
+    run_config(config, Arm(), Path(config.output_dir), plan.mode)
     if args.resume and not args.output_dir:
         raise ConfigError("--resume continues the calibration in --output-dir: name that folder")
     if args.output_dir:  # nor overwrite a calibration, or resume one with another config, after a Prefect start

@@ -5,6 +5,7 @@ injected decode slowdown, figures recorded, and the next gate verdict of the key
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,45 @@ def test_paired_calibration_refuses_a_config_without_a_baseline_before_running_a
     assert proc.returncode == 2
     assert "needs a baseline worker" in proc.stderr and "smoke-ab" in proc.stderr
     assert not (tmp_path / "history.db").exists()
+
+
+def test_paired_calibration_runs_a_zoo_regression_beside_its_solo_effect(tmp_path: Path) -> None:
+    # A real code change of the worker as an arm (the zoo's sampler-one-path: the greedy shortcut removed),
+    # on the tiny model so that its solo effect and its decision are quick: the plumbing, not the detection
+    # (the smoke-ab figures are the calibration folders in docs/calibrations/). The patched tree is built
+    # into the calibration folder, the candidate's worker runs it (its source digest differs from the
+    # baseline's), the solo effect is measured and kept, and the figures hold both side by side.
+    from servegate.provenance import source_identity
+
+    out = tmp_path / "calibration"
+    sets = ["worker.model=tiny-random", "baseline.model=tiny-random", "warmup.num_requests=1", "paired.min_rounds=3",
+            "paired.min_units=3", "paired.max_rounds=4", "paired.max_measure_s=60", "paired.bound=0.05",
+            "paired.rounds_per_worker=1000"]
+    proc = subprocess.run([sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired",
+                           "--aa-runs", "1", "--slowdowns", "", "--regressions", "sampler-one-path",
+                           "--runs-per-slowdown", "1", "--output-dir", str(out), "--json", "--no-record",
+                           *[a for s in sets for a in ("--set", s)]],
+                          cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    doc = stdout_json(proc)
+    aa_run, zoo_run = doc["summary"]["runs"]
+    assert (aa_run["regression"], zoo_run["regression"]) == ("", "sampler-one-path")
+    tree = out / "zoo" / "sampler-one-path"
+    assert "if all(p.greedy for p in params):" not in (tree / "servegate/worker/sampling.py").read_text()  # applied
+    workers = pd.read_parquet(Path(zoo_run["run_dir"]) / "paired_workers.parquet").drop_duplicates("side")
+    builds = workers.set_index("side")["build"]
+    assert builds["baseline"] == f"servegate source {source_identity()['digest']}"
+    assert builds["candidate"] == f"servegate source {source_identity(tree / 'servegate')['digest']}"
+    config = json.loads((Path(zoo_run["run_dir"]) / "config.json").read_text())
+    assert config["worker"]["env"]["PYTHONPATH"] == str(tree) and "PYTHONPATH" not in config["baseline"]["env"]
+    solo = json.loads((out / "solo.json").read_text())["sampler-one-path"]
+    assert solo["processes"] == 4 and solo["ci_low"] <= solo["ratio"] <= solo["ci_high"]
+    assert solo["baseline_build"] != solo["candidate_build"]
+    arms = {f["arm"]: f for f in doc["figures"]}
+    assert set(arms) == {"A/A", "sampler-one-path"}
+    zoo = arms["sampler-one-path"]
+    assert zoo["decisions"] == 1 and zoo["solo_ratio"] == pytest.approx(solo["ratio"])
+    assert zoo["read_of_solo"] == pytest.approx(math.log(zoo["median_ratio"]) / math.log(solo["ratio"]))
+    decisions = pd.read_csv(out / "decisions.csv", keep_default_na=False)
+    assert set(decisions["regression"]) == {"", "sampler-one-path"}
+    assert not worker_processes(tmp_path)

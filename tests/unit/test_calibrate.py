@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from scipy.stats import beta
 
-from servegate.calibrate import (SLOWDOWN_FLAG, CalibrationPlan, CalibrationRun, analyse, format_calibration,
+from servegate.calibrate import (SLOWDOWN_FLAG, Arm, CalibrationPlan, CalibrationRun, analyse, format_calibration,
                                  measurement_seconds, previous_runs, remaining_schedule, run_config, schedule,
                                  summarise, write_setup)
 from servegate.compare import calibration_figures, calibration_summary, compare_run, compare_tables
@@ -40,17 +40,23 @@ def _tables(seed: int, slowdown: float = 0.0, night: float = 1.0) -> dict[str, p
 def _runs(plan: CalibrationPlan, night_sd: float = 0.01) -> list[CalibrationRun]:
     rng = np.random.default_rng(42)
     runs = []
-    for i, pct in enumerate(schedule(plan)):
+    for i, arm in enumerate(schedule(plan)):
+        pct = arm.slowdown_pct
         night = float(np.exp(rng.normal(0, night_sd)))
         runs.append(CalibrationRun(i, pct, run_dir=f"/runs/{i}", status="pass", measurement_s=30.0 + i,
                                    tables=_tables(100 + i, pct / 100, night)))
     return runs
 
 
+def _pcts(arms: list[Arm]) -> list[float]:
+    assert not any(a.regression for a in arms)
+    return [a.slowdown_pct for a in arms]
+
+
 def test_schedule_starts_with_two_a_runs_then_interleaves() -> None:
     plan = CalibrationPlan(aa_runs=4, slowdowns_pct=(5, 30), runs_per_slowdown=3)
-    assert schedule(plan) == [0, 0, 0, 5, 30, 0, 5, 30, 5, 30]
-    assert schedule(CalibrationPlan(aa_runs=3, slowdowns_pct=())) == [0, 0, 0]
+    assert _pcts(schedule(plan)) == [0, 0, 0, 5, 30, 0, 5, 30, 5, 30]
+    assert _pcts(schedule(CalibrationPlan(aa_runs=3, slowdowns_pct=()))) == [0, 0, 0]
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -67,18 +73,18 @@ def test_plan_refuses_what_cannot_be_measured(kwargs: dict, match: str) -> None:
 
 def test_run_config_measures_only_and_injects_the_slowdown(tmp_path: Path) -> None:
     config = load_config(profile="smoke")
-    a = run_config(config, 0, tmp_path)
-    b = run_config(config, 10, tmp_path)
+    a = run_config(config, Arm(0), tmp_path)
+    b = run_config(config, Arm(10), tmp_path)
     assert a.worker.extra_args == [] and b.worker.extra_args == [SLOWDOWN_FLAG, "10"]
     for cfg in (a, b):
         assert not cfg.compare.enabled and not cfg.store.enabled and not cfg.quality.enabled
         assert not cfg.report.html and cfg.output_dir == str(tmp_path) and cfg.name == config.name
     with pytest.raises(ConfigError, match="embedded worker's decode fault"):
-        run_config(load_config(profile="sglang-h100"), 10, tmp_path)
-    assert run_config(load_config(profile="sglang-h100"), 0, tmp_path).worker.engine == "sglang"
+        run_config(load_config(profile="sglang-h100"), Arm(10), tmp_path)
+    assert run_config(load_config(profile="sglang-h100"), Arm(0), tmp_path).worker.engine == "sglang"
     faulty = load_config(profile="smoke", overrides=[f'worker.extra_args=["{SLOWDOWN_FLAG}", "5"]'])
     with pytest.raises(ConfigError, match="unchanged worker"):
-        run_config(faulty, 0, tmp_path)
+        run_config(faulty, Arm(0), tmp_path)
 
 
 def test_measurement_seconds_counts_only_measurement_stages_that_ran() -> None:
@@ -197,7 +203,8 @@ def _paired_runs() -> list[CalibrationRun]:
                3.0: [((1.025, 1.017, 1.035), "regression", 14), ((1.02, 1.005, 1.035), "inconclusive", 40)],
                30.0: [((1.28, 1.2, 1.35), "regression", 6), ((1.3, 1.22, 1.38), "regression", 6)]}
     runs = []
-    for i, pct in enumerate(schedule(plan)):
+    for i, arm in enumerate(schedule(plan)):
+        pct = arm.slowdown_pct
         itl, decision, rounds = outcome[pct].pop(0)
         runs.append(CalibrationRun(i, pct, run_dir=f"/runs/{i}", status="pass", measurement_s=100.0 + i,
                                    tables={"paired": _paired_table(itl, decision, rounds, 9.0 * rounds)}))
@@ -206,8 +213,8 @@ def _paired_runs() -> list[CalibrationRun]:
 
 def test_paired_schedule_interleaves_from_the_first_decision() -> None:
     plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0, 30.0), runs_per_slowdown=2, mode="paired")
-    assert schedule(plan) == [0, 3, 30, 0, 3, 30, 0]
-    assert schedule(CalibrationPlan(aa_runs=1, slowdowns_pct=(), mode="paired")) == [0]
+    assert _pcts(schedule(plan)) == [0, 3, 30, 0, 3, 30, 0]
+    assert _pcts(schedule(CalibrationPlan(aa_runs=1, slowdowns_pct=(), mode="paired"))) == [0]
     with pytest.raises(ConfigError, match="at least 1 A/A"):
         CalibrationPlan(aa_runs=0, mode="paired")
     with pytest.raises(ConfigError, match="'history' or 'paired'"):
@@ -216,8 +223,8 @@ def test_paired_schedule_interleaves_from_the_first_decision() -> None:
 
 def test_paired_run_config_slows_the_candidate_only_and_measures_the_paired_stage_only(tmp_path: Path) -> None:
     config = load_config(profile="smoke-ab")
-    a = run_config(config, 0, tmp_path, "paired")
-    b = run_config(config, 3, tmp_path, "paired")
+    a = run_config(config, Arm(0), tmp_path, "paired")
+    b = run_config(config, Arm(3), tmp_path, "paired")
     assert a.worker.extra_args == [] and b.worker.extra_args == [SLOWDOWN_FLAG, "3"]
     assert a.baseline is not None and b.baseline is not None
     assert a.baseline.extra_args == b.baseline.extra_args == []
@@ -229,14 +236,14 @@ def test_paired_run_config_slows_the_candidate_only_and_measures_the_paired_stag
         assert cfg.paired == config.paired.model_copy(update={"profile": False})
         assert config.paired.profile and not config.paired.confirm and not cfg.paired.confirm
     confirming = load_config(profile="smoke-ab", overrides=["paired.confirm=true"])
-    assert run_config(confirming, 3, tmp_path, "paired").paired.confirm  # a gate that confirms is calibrated so
+    assert run_config(confirming, Arm(3), tmp_path, "paired").paired.confirm  # a gate that confirms is calibrated so
     # History calibration does not run the paired stage: its table is not what it compares.
-    assert not run_config(config, 0, tmp_path).paired.enabled
+    assert not run_config(config, Arm(0), tmp_path).paired.enabled
     with pytest.raises(ConfigError, match=r"needs a baseline worker.*smoke-ab"):
-        run_config(load_config(profile="smoke"), 0, tmp_path, "paired")
+        run_config(load_config(profile="smoke"), Arm(0), tmp_path, "paired")
     release = load_config(profile="smoke-ab", overrides=["baseline.python=/opt/old/bin/python"])
     with pytest.raises(ConfigError, match=r"same build; they differ in \['python'\]"):
-        run_config(release, 0, tmp_path, "paired")
+        run_config(release, Arm(0), tmp_path, "paired")
 
 
 def test_paired_figures_per_arm_false_alarms_detections_rounds() -> None:
@@ -312,12 +319,12 @@ def test_a_stored_paired_calibration_reads_as_one(tmp_path: Path) -> None:
 # ---- resuming a calibration ------------------------------------------------------------------------
 def test_a_resumed_plan_runs_only_what_is_missing_in_the_plan_s_order() -> None:
     plan = CalibrationPlan(aa_runs=3, slowdowns_pct=(3.0,), runs_per_slowdown=3, mode="paired")
-    assert schedule(plan) == [0, 3, 0, 3, 0, 3]
+    assert _pcts(schedule(plan)) == [0, 3, 0, 3, 0, 3]
     done = [CalibrationRun(0, 0.0), CalibrationRun(1, 3.0), CalibrationRun(2, 0.0)]
-    assert remaining_schedule(plan, done) == [3, 0, 3]
+    assert _pcts(remaining_schedule(plan, done)) == [3, 0, 3]
     assert remaining_schedule(plan, []) == schedule(plan)
     grown = CalibrationPlan(aa_runs=4, slowdowns_pct=(3.0, 5.0), runs_per_slowdown=3, mode="paired")
-    assert remaining_schedule(grown, done) == [5, 3, 5, 0, 3, 5, 0]
+    assert _pcts(remaining_schedule(grown, done)) == [5, 3, 5, 0, 3, 5, 0]
     assert remaining_schedule(plan, done + [CalibrationRun(3, 3.0), CalibrationRun(4, 0.0),
                                             CalibrationRun(5, 3.0)]) == []
 
@@ -353,7 +360,7 @@ def test_a_stopped_calibration_resumes_with_its_runs_and_their_tables(tmp_path: 
     assert [(r.index, r.slowdown_pct, r.status) for r in runs] == [(0, 0.0, "pass"), (1, 3.0, "inconclusive")]
     assert list(runs[0].tables) == ["paired"] and runs[0].tables["paired"]["decision"].iloc[0] == "no_change"
     assert runs[1].tables == {}  # broken: still left out of the figures, not re-run
-    assert remaining_schedule(more, runs) == [0, 3, 0, 0, 0]
+    assert _pcts(remaining_schedule(more, runs)) == [0, 3, 0, 0, 0]
 
 
 def test_resume_refuses_what_would_mix_two_calibrations_before_running_anything(tmp_path: Path) -> None:
@@ -371,10 +378,63 @@ def test_resume_refuses_what_would_mix_two_calibrations_before_running_anything(
         previous_runs(out, other, plan, resume=True)
     with pytest.raises(ConfigError, match=r"differs in mode \('paired' then, 'history' now\)"):
         previous_runs(out, config, CalibrationPlan(aa_runs=2, slowdowns_pct=(3.0,)), resume=True)
-    with pytest.raises(ConfigError, match=r"slowdowns \['3'\] that this plan \(\['5'\]\) leaves out"):
+    with pytest.raises(ConfigError, match=r"arms \['\+3%'\] that this plan \(\['A', '\+5%'\]\) leaves out"):
         previous_runs(out, config, CalibrationPlan(aa_runs=2, slowdowns_pct=(5.0,), mode="paired"), resume=True)
     # A kept run's folder must still be there: its tables are the calibration's figures.
     records = json.loads((out / "runs.json").read_text())
     shutil.rmtree(records[0]["run_dir"])
     with pytest.raises(ConfigError, match="calibration run 0 \\(A\\) cannot be read again"):
         previous_runs(out, config, plan, resume=True)
+
+
+# ---- real code regressions (the zoo) ---------------------------------------------------------------
+def test_zoo_regressions_are_arms_of_a_paired_plan_scheduled_and_resumed_like_slowdowns() -> None:
+    plan = CalibrationPlan(aa_runs=2, slowdowns_pct=(3.0,), runs_per_slowdown=2, mode="paired",
+                           regressions=("linears-unpacked", "sampler-one-path"))
+    assert [a.label for a in schedule(plan)] == ["A", "+3%", "linears-unpacked", "sampler-one-path",
+                                                 "A", "+3%", "linears-unpacked", "sampler-one-path"]
+    done = [CalibrationRun(0, 0.0), CalibrationRun(1, 3.0), CalibrationRun(2, 0.0, "linears-unpacked")]
+    assert [a.label for a in remaining_schedule(plan, done)] == [
+        "sampler-one-path", "A", "+3%", "linears-unpacked", "sampler-one-path"]
+    with pytest.raises(ConfigError, match="add --paired"):
+        CalibrationPlan(regressions=("linears-unpacked",))
+    with pytest.raises(ConfigError, match="twice"):
+        CalibrationPlan(mode="paired", regressions=("linears-unpacked", "linears-unpacked"))
+
+
+def test_a_zoo_regression_runs_its_tree_on_the_candidate_s_pythonpath_only(tmp_path: Path) -> None:
+    config = load_config(profile="smoke-ab")
+    tree = tmp_path / "zoo" / "linears-unpacked"
+    cfg = run_config(config, Arm(regression="linears-unpacked"), tmp_path, "paired", tree)
+    assert cfg.worker.env == {"PYTHONPATH": str(tree)} and cfg.worker.extra_args == []
+    assert cfg.baseline is not None and "PYTHONPATH" not in cfg.baseline.env
+    with pytest.raises(ConfigError, match="needs its built tree"):
+        run_config(config, Arm(regression="linears-unpacked"), tmp_path, "paired")
+    with pytest.raises(ConfigError, match=r"unknown zoo regression 'faster'; valid: linears-unpacked, "):
+        run_config(config, Arm(regression="faster"), tmp_path, "paired", tree)
+    with pytest.raises(ConfigError, match="calibrate it with --paired and the embedded worker"):
+        run_config(config, Arm(regression="linears-unpacked"), tmp_path, "history", tree)
+
+
+def test_a_zoo_arm_shows_its_solo_effect_beside_what_the_gate_read() -> None:
+    from servegate.calibrate import analyse_paired, summarise_paired
+
+    plan = CalibrationPlan(aa_runs=1, slowdowns_pct=(), runs_per_slowdown=2, mode="paired",
+                           regressions=("linears-unpacked",))
+    runs = [CalibrationRun(0, 0.0, run_dir="/runs/0", status="pass", measurement_s=100.0,
+                           tables={"paired": _paired_table((1.001, 0.99, 1.012), "no_change", 10, 90.0)}),
+            CalibrationRun(1, 0.0, "linears-unpacked", run_dir="/runs/1", status="fail", measurement_s=100.0,
+                           tables={"paired": _paired_table((1.10, 1.08, 1.12), "regression", 10, 90.0)}),
+            CalibrationRun(2, 0.0, "linears-unpacked", run_dir="/runs/2", status="fail", measurement_s=100.0,
+                           tables={"paired": _paired_table((1.08, 1.06, 1.10), "regression", 10, 90.0)})]
+    solo = {"linears-unpacked": {"ratio": 1.09, "ci_low": 1.088, "ci_high": 1.092}}
+    figures, decisions = analyse_paired(runs, plan, solo)
+    zoo = figures.set_index("arm").loc["linears-unpacked"]
+    assert zoo["decisions"] == 2 and zoo["regressions"] == 2 and zoo["solo_ratio"] == 1.09
+    assert zoo["read_of_solo"] == pytest.approx(math.log(1.09) / math.log(1.09))  # the median read x1.09
+    assert math.isnan(figures.set_index("arm").loc["A/A", "solo_ratio"])
+    assert list(decisions["regression"]) == ["", "", "linears-unpacked", "linears-unpacked",
+                                             "linears-unpacked", "linears-unpacked"]
+    summary = summarise_paired(runs, figures, decisions, plan)
+    assert summary["gate_detections"]["linears-unpacked"]["detections"] == 2 and summary["ab_runs"] == 2
+    assert "x1.0900, read 1.00 of it" in format_calibration(figures, summary)
