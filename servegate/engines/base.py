@@ -175,10 +175,15 @@ class Engine(abc.ABC):
     def server_capacity(self, session: requests.Session, base_url: str) -> ServerCapacity:
         """Token capacity and max running requests from the server's info endpoint."""
 
+    build_identity_is_digest: ClassVar[bool] = False
+    """Whether :meth:`build_identity` differs whenever the code does (a digest of the source), so that two
+    servers reporting one identity run one build. A version string is not: a patched build of an engine
+    can keep its version."""
+
     def build_identity(self, session: requests.Session, base_url: str) -> str | None:
         """Which build the running server is, as it reports it (a version, a source digest); None when the
-        engine does not say. The paired stage records it per worker and refuses two sides that name
-        different builds but run the same one."""
+        engine does not say. The paired stage records it per worker; when it is a digest
+        (:attr:`build_identity_is_digest`) it refuses two sides that name different builds but run one."""
         return None
 
 

@@ -66,6 +66,8 @@ class EmbeddedEngine(Engine):
               request_timeout_s: float | None = None) -> bool:
         return sglang_flush(session, base_url, timeout_s, request_timeout_s, self.name)
 
+    build_identity_is_digest: ClassVar[bool] = True
+
     def build_identity(self, session: requests.Session, base_url: str) -> str | None:
         source = (fetch_sglang_server_info(session, base_url) or {}).get("servegate_source")
         if not isinstance(source, dict) or "digest" not in source:
