@@ -15,11 +15,13 @@ import numpy as np
 import pandas as pd
 from scipy import stats as scipy_stats
 
+from servegate.early_stopping import early_stopping_percentile
 from servegate.errors import InsufficientDataError
 
 __all__ = [
     "STAT_NAMES",
     "LATENCY_METRICS",
+    "EARLY_STOPPING_QUANTILES",
     "describe",
     "latency_block",
     "goodput_mask",
@@ -31,6 +33,8 @@ __all__ = [
 
 STAT_NAMES: Final = ("mean", "median", "std", "p90", "p95", "p99")
 LATENCY_METRICS: Final = ("ttft", "tpot", "itl", "e2e_latency")
+EARLY_STOPPING_QUANTILES: Final = (90, 95, 99)
+"""The percentiles the serving summary also gives as early-stopping estimates (``es_p99_ttft_ms``)."""
 ARRIVAL_KS_ALPHA: Final = 0.01
 """Arrival fit rejected below this KS p-value (issue 7: Poisson arrivals not rejected at 1 %)."""
 
@@ -59,9 +63,15 @@ def describe(values: Sequence[float] | np.ndarray, what: str) -> dict[str, float
 
 
 def latency_block(name: str, values_ms: Sequence[float] | np.ndarray) -> dict[str, float]:
-    """``{mean,median,std,p90,p95,p99,max}_<name>_ms`` for latencies already in milliseconds."""
+    """``{mean,median,std,p90,p95,p99,max}_<name>_ms`` for latencies already in milliseconds, and
+    ``es_{p90,p95,p99}_<name>_ms``: each percentile's early-stopping estimate (NaN below its floor of
+    samples; :mod:`servegate.early_stopping`)."""
     d = describe(values_ms, f"{name} (ms)")
-    return {f"{stat}_{name}_ms": d[stat] for stat in (*STAT_NAMES, "max")}
+    block = {f"{stat}_{name}_ms": d[stat] for stat in (*STAT_NAMES, "max")}
+    for q in EARLY_STOPPING_QUANTILES:
+        estimate = early_stopping_percentile(values_ms, q / 100).value
+        block[f"es_p{q}_{name}_ms"] = math.nan if estimate is None else estimate
+    return block
 
 
 def goodput_mask(requests: pd.DataFrame, slo_ttft_ms: float | None, slo_tpot_ms: float | None,
