@@ -120,3 +120,34 @@ def new_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ca
 def store_url(new_store_url: Callable[[], str]) -> str:
     """A new history database's URL, once per backend (the test runs as ``[sqlite]`` and ``[postgresql]``)."""
     return new_store_url()
+
+
+_SESSION_STARTED: list[float] = []
+SLOWEST_SHOWN = 10
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+
+    _SESSION_STARTED.append(time.monotonic())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The suite's own cost, last on the screen (CI shows where its time went on every landing): the
+    session's wall time and the slowest tests whole (setup + call + teardown), beside the JUnit XML that
+    ``addopts`` writes to ``test-results/junit.xml``."""
+    import time
+    from collections import defaultdict
+
+    per_test: dict[str, float] = defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                per_test[report.nodeid] += report.duration
+    wall = time.monotonic() - _SESSION_STARTED[0] if _SESSION_STARTED else float("nan")
+    terminalreporter.section("the suite's cost")
+    terminalreporter.write_line(f"wall {wall:.0f} s for {len(per_test)} tests "
+                                f"({sum(per_test.values()):.0f} s inside tests); the {SLOWEST_SHOWN} slowest:")
+    for nodeid, seconds in sorted(per_test.items(), key=lambda kv: -kv[1])[:SLOWEST_SHOWN]:
+        terminalreporter.write_line(f"  {seconds:7.1f} s  {nodeid}")
