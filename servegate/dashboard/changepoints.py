@@ -31,6 +31,12 @@ nothing in ~97 % of series; a 12 % step is found within one run ~97 %; a creep o
 20 is found within two runs ~95 % (1.5 %/run ~85 %, 1 %/run ~60 %: at 2 % noise a 1 % creep needs
 more nights to stand out). A step of a few per cent is the compare stage's job (it fails that
 night); change points are for what it cannot see.
+
+**Each change is tested before it is drawn** (as Apache Otava tests what E-Divisive proposes): Welch's
+t-test (scipy's ``ttest_ind``, unequal variances) between the runs of the segment before the change and
+those of the segment after it, on the log scale. The change carries its magnitude, the ratio of the two
+segments' geometric means with its 95 % interval, and the test's p-value; one whose p-value is not
+below ``alpha`` (0.01) is dropped, not drawn.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ import numpy as np
 
 from servegate.errors import ConfigError
 
-__all__ = ["ChangePoint", "find_change_points", "noise_sigma", "DEFAULT_PENALTY_FACTOR", "MIN_SEGMENT",
+ALPHA = 0.01
+"""A proposed change is kept when the Welch test between its two segments gives a p-value below this."""
+
+__all__ = ["ALPHA", "ChangePoint", "find_change_points", "noise_sigma", "DEFAULT_PENALTY_FACTOR", "MIN_SEGMENT",
            "MIN_POINTS"]
 
 DEFAULT_PENALTY_FACTOR = 2.0
@@ -69,6 +78,14 @@ class ChangePoint:
     """The fitted level at the run before the change (the series' units)."""
     after: float
     """The fitted level at the end of the new regime (its last run before the next change, or the latest run)."""
+    ratio: float = math.nan
+    """The segment after over the segment before: the ratio of their geometric means (of their means for a
+    series that is not all positive)..."""
+    ratio_low: float = math.nan
+    ratio_high: float = math.nan
+    """...with its 95 % Welch interval."""
+    p_value: float = math.nan
+    """Welch's t-test between the two segments (two-sided)."""
 
     @property
     def change(self) -> float:
@@ -95,6 +112,21 @@ def _sse(x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     return float(residual @ residual), coef
 
 
+def _segment_test(before: np.ndarray, after: np.ndarray, relative: bool) -> tuple[float, float, float, float]:
+    """(ratio, its 95 % low, high, p-value) of the Welch t-test between two segments' (log) values."""
+    from scipy import stats
+
+    result = stats.ttest_ind(after, before, equal_var=False)
+    low, high = result.confidence_interval(0.95)
+    diff = float(np.mean(after) - np.mean(before))
+    if relative:
+        return math.exp(diff), math.exp(float(low)), math.exp(float(high)), float(result.pvalue)
+    base = float(np.mean(before))
+    if base == 0:
+        return math.nan, math.nan, math.nan, float(result.pvalue)
+    return 1 + diff / base, 1 + float(low) / base, 1 + float(high) / base, float(result.pvalue)
+
+
 def _refine(y: np.ndarray, start: int, cut: int, end: int, unit: float, min_size: int) -> tuple[int, str, np.ndarray]:
     """The change PELT put at ``cut`` (segments ``[start, cut)`` and ``[cut, end)``) as a jump or a
     hinge; returns (first index of the new regime, kind, the fitted log values on [start, end))."""
@@ -116,10 +148,12 @@ def _refine(y: np.ndarray, start: int, cut: int, end: int, unit: float, min_size
 
 
 def find_change_points(values: Sequence[float], *, penalty_factor: float = DEFAULT_PENALTY_FACTOR,
-                       min_size: int = MIN_SEGMENT, min_points: int = MIN_POINTS) -> list[ChangePoint]:
+                       min_size: int = MIN_SEGMENT, min_points: int = MIN_POINTS,
+                       alpha: float = ALPHA) -> list[ChangePoint]:
     """The change points of ``values`` (one per run, oldest first), oldest first; [] for a series
     shorter than ``min_points``. Values must be finite; positive values are compared on a log
-    scale (relative change), a series with a zero or negative value on its own scale."""
+    scale (relative change), a series with a zero or negative value on its own scale. Each carries
+    the Welch test between its two segments; those with a p-value not below ``alpha`` are left out."""
     import ruptures
     from ruptures.costs import CostLinear
 
@@ -130,6 +164,8 @@ def find_change_points(values: Sequence[float], *, penalty_factor: float = DEFAU
         raise ConfigError("a change-point series must hold finite values only; drop the runs without the metric")
     if not (penalty_factor > 0 and math.isfinite(penalty_factor)):
         raise ConfigError(f"penalty_factor must be a finite number > 0, got {penalty_factor!r}")
+    if not 0 < alpha < 1:
+        raise ConfigError(f"alpha must be in (0, 1), got {alpha!r}")
     if min_size < 3:
         raise ConfigError(f"min_size must be at least 3 runs (a line through 2 points fits exactly), got {min_size}")
     n = y.size
@@ -153,5 +189,9 @@ def find_change_points(values: Sequence[float], *, penalty_factor: float = DEFAU
         before, after = fitted[index - 1 - start], fitted[end - 1 - start]
         if relative:
             before, after = math.exp(before), math.exp(after)
-        found.append(ChangePoint(index=index, kind=kind, before=float(before), after=float(after)))
+        ratio, low, high, p_value = _segment_test(scaled[start:index], scaled[index:end], relative)
+        if not p_value < alpha:
+            continue
+        found.append(ChangePoint(index=index, kind=kind, before=float(before), after=float(after), ratio=ratio,
+                                 ratio_low=low, ratio_high=high, p_value=p_value))
     return found

@@ -88,7 +88,8 @@ def _mpl(text: Any) -> str:
 
 def _change_text(series: MetricSeries, cp: Any) -> str:
     what = "step" if cp.kind == "step" else "trend began"
-    return f"{what} {cp.change:+.1%}" + (" (worse)" if series.worse(cp) else " (better)")
+    tested = f"; segments x{cp.ratio:.3f} [{cp.ratio_low:.3f}, {cp.ratio_high:.3f}], Welch p={cp.p_value:.2g}"
+    return f"{what} {cp.change:+.1%}" + (" (worse)" if series.worse(cp) else " (better)") + tested
 
 
 def _page(title: str, body: Sequence[str]) -> str:
