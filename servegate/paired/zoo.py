@@ -50,7 +50,9 @@ ZOO: dict[str, ZooRegression] = {z.name: z for z in (
                   "torch's plain bfloat16 linear, which streams its weight slower"),
     ZooRegression("attention-bf16", "attention",
                   "attention computed in bfloat16: the CPU fast path's float32 attention dropped, so PyTorch's "
-                  "flash-attention kernel runs its slow bfloat16 path for one query row"),
+                  "flash-attention kernel runs its slow bfloat16 path for one query row -- in an aligned, "
+                  "mask-free decode batch only; a ragged serving batch takes the masked kernel, where it "
+                  "is not slower (docs/paired.md)"),
     ZooRegression("detokenize-full", "scheduler Python",
                   "where each token's text ends found by decoding the output up to every token, at every "
                   "accepted token (a tokenizer call per token so far), instead of decoding a 64-token tail only "
