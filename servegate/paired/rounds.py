@@ -244,8 +244,7 @@ class PairedMeasurement:
         took = time.perf_counter() - t0
         self.workers.extend({**row, "pair_s": round(took, 3)} for row in rows)
         self.tables["paired_workers"] = pd.DataFrame(self.workers, columns=PAIRED_WORKER_COLUMNS)
-        if get_engine(a.spec.engine).build_identity_is_digest and get_engine(b.spec.engine).build_identity_is_digest:
-            _check_distinct_builds(a.spec, b.spec, rows[0]["build"], rows[1]["build"])
+        _check_distinct_builds(a.spec, b.spec, rows[0]["build"], rows[1]["build"])
         return took
 
     def check_alive(self, grace_s: float = 0.0) -> None:
@@ -632,7 +631,11 @@ def _check_distinct_builds(baseline: WorkerSpec, candidate: WorkerSpec, a_build:
                            b_build: str | None) -> None:
     """``ConfigError`` when the two sides name different code (another interpreter or ``PYTHONPATH``) but
     their servers report the same build: the gate would measure one build against itself and pass any
-    regression. (How a candidate tree on PYTHONPATH once ran the baseline's code: docs/paired.md.)"""
+    regression. (How a candidate tree on PYTHONPATH once ran the baseline's code: docs/paired.md.) Only
+    where both engines' identities are source digests (``Engine.build_identity_is_digest``): equal
+    versions of a patched engine are recorded, not refused."""
+    if not all(get_engine(spec.engine).build_identity_is_digest for spec in (baseline, candidate)):
+        return
     names_other_code = (baseline.python != candidate.python
                         or baseline.env.get("PYTHONPATH") != candidate.env.get("PYTHONPATH"))
     if names_other_code and a_build is not None and a_build == b_build:

@@ -35,3 +35,8 @@ def test_only_a_source_digest_counts_as_proof_of_one_build() -> None:
     # A version string is not: a patched vLLM or SGLang build can keep its version.
     assert get_engine("embedded").build_identity_is_digest
     assert not get_engine("vllm").build_identity_is_digest and not get_engine("sglang").build_identity_is_digest
+
+
+def test_equal_versions_of_an_engine_that_reports_no_digest_are_recorded_not_refused() -> None:
+    _check_distinct_builds(WorkerSpec(engine="vllm"), WorkerSpec(engine="vllm", python="/opt/next/bin/python"),
+                           "vllm 0.31.0", "vllm 0.31.0")
