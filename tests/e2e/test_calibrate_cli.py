@@ -16,7 +16,7 @@ from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
 from servegate.history import GateKey, Store
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 
 TINY = [
@@ -48,6 +48,8 @@ def _servegate(tmp_path: Path, *args: str, timeout: float = 840) -> subprocess.C
 
 
 
+@pytest.mark.gate
+@pytest.mark.exclusive
 def test_calibrate_measures_false_alarms_and_detection_and_the_verdict_carries_them(tmp_path: Path) -> None:
     out = tmp_path / "calibration"
     proc = _servegate(tmp_path, "calibrate", "--aa-runs", "3", "--slowdowns", "300", "--runs-per-slowdown", "1",
@@ -95,6 +97,8 @@ def test_calibrate_refuses_a_slowdown_an_engine_cannot_inject_before_running_any
     assert not (tmp_path / "history.db").exists()
 
 
+@pytest.mark.gate
+@pytest.mark.exclusive
 def test_paired_calibration_detects_a_big_slowdown_and_records_per_arm_figures(tmp_path: Path) -> None:
     # Real paired decisions of smoke-ab (two SmolLM2 workers each), kept short: 3 rounds before the
     # first look, 8 at most (the sequential design's last look), 180 s of measurement at most. A +100 %
@@ -181,6 +185,8 @@ def test_paired_calibration_refuses_a_config_without_a_baseline_before_running_a
     assert not (tmp_path / "history.db").exists()
 
 
+@pytest.mark.gate
+@pytest.mark.exclusive
 def test_paired_calibration_runs_a_zoo_regression_beside_its_solo_effect(tmp_path: Path) -> None:
     # A real code change of the worker as an arm (the zoo's sampler-one-path: the greedy shortcut removed),
     # on the tiny model so that its solo effect and its decision are quick: the plumbing, not the detection

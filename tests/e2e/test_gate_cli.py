@@ -24,7 +24,7 @@ from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
 from servegate.history import Store
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(900)]
 
 PRICE_PER_HOUR = 2.5
 
@@ -51,6 +51,7 @@ def _run(tmp_path: Path, *args: str, timeout: float = 840, env: dict[str, str] |
 
 
 
+@pytest.mark.exclusive
 def test_smoke_gate_passes_and_keeps_everything(tmp_path: Path):
     proc = _run(tmp_path, "--set", f"cost.price_per_hour={PRICE_PER_HOUR}")
     verdict = stdout_json(proc)

@@ -35,7 +35,7 @@ import pandas as pd
 import pytest
 from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.gate, pytest.mark.exclusive, pytest.mark.timeout(1500)]
 
 
 # The smoke gate with fewer requests, no quality stage (it has no relative check) and no one-batch stage, plus the

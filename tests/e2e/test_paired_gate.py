@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(1500)]
 
 BOUND = 0.05
 # A short sequential design: the first look at five instance pairs (10 rounds), the last at ten
@@ -44,6 +44,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]
     return proc, stdout_json(proc)
 
 
+@pytest.mark.exclusive
 def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path):
     # Without the profile of the confirmed regression (paired.profile): its own test below profiles a
     # tiny model; here it would only add a profiled block per side and two SmolLM2 traces to read.
@@ -89,6 +90,7 @@ def test_a_slower_candidate_fails_the_paired_gate_and_is_recorded(tmp_path: Path
     assert not worker_processes(tmp_path)
 
 
+@pytest.mark.exclusive
 def test_a_real_slower_kernel_in_the_candidate_fails_the_paired_gate(tmp_path: Path):
     # Not a fault switch: the candidate is another build of the worker, this source with one real change
     # (the zoo's linears-unpacked: the MLP down projections left on torch's plain bfloat16 linear, +9 % per
@@ -115,6 +117,7 @@ def test_a_real_slower_kernel_in_the_candidate_fails_the_paired_gate(tmp_path: P
     assert not worker_processes(tmp_path)
 
 
+@pytest.mark.exclusive
 def test_the_same_build_on_both_sides_never_fails(tmp_path: Path):
     # 180 s, not 300: whether the interval excludes a 5 % regression in time (exit 0)
     # or not (exit 2), an A/A gate must never fail; it ran to its 300 s budget on CI (238 s of the suite).
@@ -163,6 +166,7 @@ def test_a_stage_past_its_deadline_stops_both_workers_and_is_inconclusive(tmp_pa
     assert not worker_processes(tmp_path)
 
 
+@pytest.mark.exclusive
 def test_a_regression_the_re_measurement_does_not_reproduce_is_unconfirmed_and_passes(tmp_path: Path):
     # The slowdown is active only in the first candidate process (--fault-only-first-launch): the
     # first measurement (no restarts) sees +300 %, the confirmation's fresh workers see A/A. The tiny
@@ -202,6 +206,7 @@ def test_a_regression_the_re_measurement_does_not_reproduce_is_unconfirmed_and_p
 SLOW_ACTIVATION_FACTOR = 1000
 
 
+@pytest.mark.exclusive
 def test_a_confirmed_regression_is_profiled_and_the_slowed_operator_tops_the_operator_diff(tmp_path: Path):
     # Up to 30 rounds (~1 s each here) per measurement: at x1.6 and ~33 % sd per round, 8 can stop short.
     proc, verdict = _run(tmp_path, "--set", "worker.model=tiny-random", "--set", "baseline.model=tiny-random",

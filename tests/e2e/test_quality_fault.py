@@ -11,7 +11,7 @@ import pytest
 
 from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gate, pytest.mark.exclusive, pytest.mark.timeout(900)]
 
 
 def test_corrupted_logits_fail_quality_while_speed_stages_pass(tmp_path: Path):

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from e2eutil import REPO, gate_env, worker_processes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(900)]
 
 
 TINY = [

@@ -14,7 +14,7 @@ import pytest
 
 from e2eutil import REPO, gate_env, stdout_json, worker_processes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gate, pytest.mark.exclusive, pytest.mark.timeout(900)]
 
 # Smaller than the profile where it does not touch what is validated (CI time): fewer serving
 # prompts and quality items; the occupancy request keeps the profile's copying prompt and length.

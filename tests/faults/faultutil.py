@@ -42,11 +42,12 @@ SLOW_TINY = [
 ]
 
 
-def start_gate(tmp_path: Path, *args: str) -> subprocess.Popen:
-    """`servegate run` in a session of its own (so that its whole group can be killed, as CI does)."""
+def start_gate(tmp_path: Path, *args: str, own_prefect: bool = False) -> subprocess.Popen:
+    """`servegate run` in a session of its own (so that its whole group can be killed, as CI does);
+    ``own_prefect``: with Prefect's temporary server of its own (``e2eutil.gate_env``), part of what is hurt."""
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *SLOW_TINY, *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path, own_prefect=own_prefect), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from faultutil import REPO, SLOW_TINY, db_state, gate_env, survivors
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(300)]
 
 
 def _servegate(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

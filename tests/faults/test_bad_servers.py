@@ -21,7 +21,7 @@ from faultutil import REPO, db_state, gate_env, survivors
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from sim_server import SimServer, SimState  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(300)]
 
 HTML = '<img src=x onerror="alert(1)">'
 EXTERNAL = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from faultutil import db_state, start_gate, survivors
 
-pytestmark = [pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(600)]
 
 
 def test_three_gates_record_into_one_history_at_once(tmp_path: Path) -> None:

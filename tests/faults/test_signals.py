@@ -22,7 +22,7 @@ import pytest
 from faultutil import (REPO, db_state, gate_env, run_folder, stage_status, start_gate, survivors,
                        wait_for_stage)
 
-pytestmark = [pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,7 +58,7 @@ SCENARIOS = [
 @pytest.mark.parametrize(("stage", "sig", "target"), SCENARIOS,
                          ids=[f"{s.name}-{t}-during-{st}" for st, s, t in SCENARIOS])
 def test_signal_during_a_stage(tmp_path, stage: str, sig: signal.Signals, target: str) -> None:
-    gate = start_gate(tmp_path)
+    gate = start_gate(tmp_path, own_prefect=True)
     try:
         wait_for_stage(gate, tmp_path, stage)
     except BaseException:
@@ -108,7 +108,7 @@ def test_a_signal_to_the_whole_group_of_a_paired_calibration_ends_it_at_once(tmp
     cmd = [sys.executable, "-m", "servegate", "calibrate", "--profile", "smoke-ab", "--paired", "--aa-runs", "3",
            "--slowdowns", "", "--output-dir", str(tmp_path / "calibration"), "--no-record",
            *[a for s in CALIBRATE_TINY for a in ("--set", s)]]
-    gate = subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    gate = subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path, own_prefect=True), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         run_dir = _wait_for(gate, lambda: _both_workers_up(tmp_path / "calibration" / "runs"),

@@ -31,7 +31,7 @@ from servegate.alerts import AlertLinks, compose_alert, send_alert
 from servegate.launch import free_port
 from servegate.proctree import terminate_tree
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(900)]
 
 GITHUB_TOKEN = "ghp_test0token0that0must0never0leak"  # stands in for a real token: only in the block's secrets
 OWNER_REPO = "acme/servegate"
@@ -256,7 +256,7 @@ def test_an_unknown_block_is_reported_not_raised(failed_matrix):
     assert "give '<block-type-slug>/<block-name>'" in outcomes[1]["error"], outcomes
 
 
-def test_a_message_that_cannot_be_composed_leaves_the_verdict(prefect_harness, monkeypatch, caplog):
+def test_a_message_that_cannot_be_composed_leaves_the_verdict(prefect_server, monkeypatch, caplog):
     # An empty matrix decides nothing (inconclusive, exit 2) without starting a gate; the history
     # database the message would read baseline builds from cannot be opened.
     from servegate.flows.nightly import nightly_matrix

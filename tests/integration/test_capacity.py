@@ -23,7 +23,7 @@ from servegate.errors import ConfigError
 from servegate.launch import launch_worker
 from servegate.tables import CAPACITY_COLUMNS, CAPACITY_STEP_COLUMNS
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(600)]
 
 TARGET = 0.9
 
@@ -59,6 +59,7 @@ def _decided(steps: pd.DataFrame) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize("name", ["normal", "slowed"])
+@pytest.mark.exclusive
 def test_the_sweep_finds_a_capacity_and_its_steps_are_consistent(sweeps, name: str) -> None:
     steps, capacity = sweeps[name].steps, sweeps[name].capacity
     assert list(steps.columns) == CAPACITY_STEP_COLUMNS and list(capacity.columns) == CAPACITY_COLUMNS
@@ -86,6 +87,7 @@ def test_the_sweep_finds_a_capacity_and_its_steps_are_consistent(sweeps, name: s
     assert sweeps[name].remarks == []  # 16 prompts a load against 2 running requests: loads queue
 
 
+@pytest.mark.exclusive
 def test_a_decode_slowdown_lowers_the_capacity(sweeps) -> None:
     normal = sweeps["normal"].capacity.iloc[0]["capacity_rps"]
     slowed = sweeps["slowed"].capacity.iloc[0]["capacity_rps"]
@@ -98,7 +100,7 @@ GATE = ["worker.model=tiny-random",
         "capacity.start_rate=4", "capacity.max_rate=16", "capacity.num_prompts=4", "report.html=false"]
 
 
-def test_capacity_gate_passes_records_its_tables_and_reruns(prefect_harness, tmp_path: Path, monkeypatch) -> None:
+def test_capacity_gate_passes_records_its_tables_and_reruns(prefect_server, tmp_path: Path, monkeypatch) -> None:
     from servegate.flows.gate import regression_gate
     from servegate.flows.rerun import rerun_stages
 
@@ -132,7 +134,7 @@ def test_capacity_gate_passes_records_its_tables_and_reruns(prefect_harness, tmp
         rerun_stages(str(run_dir), ["serving"], ["serving.enabled=true", "serving.slo_ttft_ms=100"])
 
 
-def test_capacity_without_an_slo_is_refused_before_a_worker_starts(prefect_harness, tmp_path: Path) -> None:
+def test_capacity_without_an_slo_is_refused_before_a_worker_starts(prefect_server, tmp_path: Path) -> None:
     from servegate.flows.gate import regression_gate
 
     with pytest.raises(ConfigError, match="capacity.enabled needs an SLO"):

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from e2eutil import gate_env, survivors  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(180)]
 
 FLOW = textwrap.dedent("""
     from prefect import flow, get_run_logger
@@ -47,7 +47,7 @@ def _flow_run_logs(prefect_home: Path) -> list[tuple[str, str]]:
 
 
 def test_a_flow_runs_closing_log_record_reaches_prefects_api_before_the_server_stops(tmp_path: Path) -> None:
-    env = gate_env(tmp_path)
+    env = gate_env(tmp_path, own_prefect=True)
     out = subprocess.run([sys.executable, "-c", FLOW], env=env, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "flow returned 7" in out.stdout

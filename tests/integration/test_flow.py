@@ -14,7 +14,7 @@ import pytest
 
 from servegate.flows.gate import regression_gate
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(600)]
 
 TINY = [
     "worker.model=tiny-random",
@@ -68,7 +68,7 @@ def _suites_for_a_busy_machine(tmp_path: Path) -> Path:
     return folder
 
 
-def test_flow_run_passes_records_artifacts_and_stops_worker(prefect_harness, tmp_path: Path, monkeypatch):
+def test_flow_run_passes_records_artifacts_and_stops_worker(prefect_server, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
     before = _children()
     state = regression_gate(profile="smoke", overrides=[
@@ -96,7 +96,7 @@ def test_flow_run_passes_records_artifacts_and_stops_worker(prefect_harness, tmp
     assert _children() <= before  # the worker's whole tree is gone
 
 
-def test_flow_with_unreachable_flush_is_inconclusive_and_keeps_tables(prefect_harness, tmp_path: Path, monkeypatch):
+def test_flow_with_unreachable_flush_is_inconclusive_and_keeps_tables(prefect_server, tmp_path: Path, monkeypatch):
     """A worker that stays busy past the flush timeout: the stage after it is skipped, never measured dirty."""
     monkeypatch.setenv("SERVEGATE_DB", str(tmp_path / "history.db"))
     result = regression_gate(profile="smoke", overrides=[
@@ -110,7 +110,7 @@ def test_flow_with_unreachable_flush_is_inconclusive_and_keeps_tables(prefect_ha
     assert stages["one_batch"]["status"] == "skipped" and "flush" in stages["one_batch"]["error"]
 
 
-def test_a_client_that_falls_behind_is_measured_again_and_never_passes(prefect_harness, tmp_path: Path,
+def test_a_client_that_falls_behind_is_measured_again_and_never_passes(prefect_server, tmp_path: Path,
                                                                         monkeypatch):
     """A load generator that missed its schedule measured itself: the load is flushed and run again
     (serving.invalid_client_retries), each discarded attempt is kept, and a client that is still not
@@ -141,7 +141,7 @@ def test_a_client_that_falls_behind_is_measured_again_and_never_passes(prefect_h
     assert not bool(summary.loc[0, "client_valid"]) and len(pd.read_csv(run_dir / "serving_requests.csv")) == 4
 
 
-def test_flow_whose_history_write_fails_is_inconclusive_and_keeps_its_files(prefect_harness, tmp_path: Path):
+def test_flow_whose_history_write_fails_is_inconclusive_and_keeps_its_files(prefect_server, tmp_path: Path):
     """A run the history database could not take is not a pass: tomorrow's baseline and `status` miss it."""
     unwritable = tmp_path / "a-folder-not-a-database"
     unwritable.mkdir()
@@ -160,7 +160,7 @@ def test_flow_whose_history_write_fails_is_inconclusive_and_keeps_its_files(pref
     assert (run_dir / "junit.xml").is_file() and (run_dir / "serving_requests.csv").is_file()
 
 
-def test_external_engine_stages_it_cannot_serve_are_not_applicable(prefect_harness, tmp_path: Path, monkeypatch):
+def test_external_engine_stages_it_cannot_serve_are_not_applicable(prefect_server, tmp_path: Path, monkeypatch):
     """Engine external promises no metrics and no prompt log-probabilities: its occupancy and quality
     stages are not applicable, neither measured nor a breach (it once failed the gate on occupancy)."""
     from servegate.config import WorkerSpec
@@ -183,7 +183,7 @@ def test_external_engine_stages_it_cannot_serve_are_not_applicable(prefect_harne
     assert {"occupancy_summary", "quality_accuracy"} <= set(verdict["not_applicable"]), verdict
 
 
-def test_a_stage_past_its_deadline_is_stopped_and_the_gate_cannot_decide(prefect_harness, tmp_path: Path,
+def test_a_stage_past_its_deadline_is_stopped_and_the_gate_cannot_decide(prefect_server, tmp_path: Path,
                                                                         monkeypatch):
     """A worker slowed to a crawl: the occupancy stage's long request passes stage_max_s, its worker is
     stopped, and the gate ends in bounded time as inconclusive (not a 30-minute hang)."""

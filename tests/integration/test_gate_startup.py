@@ -34,9 +34,10 @@ START = textwrap.dedent("""
 """)
 
 
+@pytest.mark.gate
 def test_a_prefect_server_that_does_not_start_is_an_infra_error_and_leaves_no_process(tmp_path: Path) -> None:
     # 1 s is far too short for the server's start (8-14 s here): Prefect gives up, servegate says what to do.
-    env = {**gate_env(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
+    env = {**gate_env(tmp_path, own_prefect=True), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
     out = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("InfraError: Timed out while attempting to connect to ephemeral Prefect API"), out
@@ -45,6 +46,7 @@ def test_a_prefect_server_that_does_not_start_is_an_infra_error_and_leaves_no_pr
     assert not survivors(tmp_path, 30, "uvicorn"), "Prefect's server outlived the command"
 
 
+@pytest.mark.gate
 def test_with_a_running_server_named_nothing_starts(tmp_path: Path) -> None:
     env = {**gate_env(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never asked: nothing listens
     out = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=100)
@@ -52,13 +54,14 @@ def test_with_a_running_server_named_nothing_starts(tmp_path: Path) -> None:
     assert not marked_processes(tmp_path, "uvicorn")
 
 
+@pytest.mark.gate
 def test_a_server_waits_for_another_gate_starting_one_in_the_same_prefect_home(tmp_path: Path) -> None:
     # Gates started at once share PREFECT_HOME's SQLite database; two servers starting side by side
     # collided there ("UNIQUE constraint failed: block_type.slug", stop 26's CI). While another holds
     # the start lock, no server process appears; once it is released, the server starts.
     from filelock import FileLock
 
-    env = gate_env(tmp_path)
+    env = gate_env(tmp_path, own_prefect=True)
     home = Path(env["PREFECT_HOME"])
     home.mkdir(parents=True)
     lock = FileLock(home / "servegate-api-start.lock")

@@ -13,11 +13,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 
 from servegate.config import load_config
 from servegate.history import Store
-from servegate.hostcheck import GPU_PROCESS_QUERY, GPU_QUERY, environment_differences, record_host
+from servegate.hostcheck import GPU_PROCESS_QUERY, GPU_QUERY, HOST_GROUP_ENV, environment_differences, record_host
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
@@ -30,6 +31,15 @@ NOTHING_MEASURED = ["--set", "one_batch.enabled=false", "--set", "serving.enable
                     "--set", "occupancy.enabled=false", "--set", "quality.enabled=false"]
 
 
+def _outside_the_group() -> dict[str, str]:
+    """This test process's environment without the host group the test suite sets for its lanes."""
+    return {name: value for name, value in os.environ.items() if name != HOST_GROUP_ENV}
+
+
+def _busy(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], env=env)
+
+
 def _gate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *args]
@@ -37,11 +47,14 @@ def _gate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subp
                           timeout=240)
 
 
+@pytest.mark.gate
+@pytest.mark.exclusive
 def test_a_core_kept_busy_by_another_process_makes_the_gate_inconclusive(tmp_path: Path):
     """A busy-loop neighbour holds a whole core (twice the default allowance of half a core): the gate
     measures nothing, exits 2, and names the neighbour. The stages are the smoke gate's, shortened:
-    a check that did not fire would launch the worker and pass."""
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    a check that did not fire would launch the worker and pass. The neighbour is outside the test
+    run's host group (as a stranger's process is), the gate inside it."""
+    busy = _busy(_outside_the_group())
     try:
         time.sleep(0.5)
         proc = _gate(tmp_path, "--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false",
@@ -72,6 +85,46 @@ def test_a_core_kept_busy_by_another_process_makes_the_gate_inconclusive(tmp_pat
     assert row.status == "inconclusive" and row.manifest["environment"] == record
 
 
+@pytest.mark.exclusive
+def _orphan_busy(env: dict[str, str]) -> psutil.Process:
+    """A busy loop that is not this process's descendant (its parent exits at once): a gate checked from
+    this process would otherwise count it as its own tree, as it counts its workers."""
+    launcher = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
+                               "[sys.executable, '-c', 'while True: pass'], start_new_session=True, "
+                               "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
+                              env=env, capture_output=True, text=True, timeout=30, check=True)
+    return psutil.Process(int(launcher.stdout))
+
+
+def test_the_host_group_is_not_counted_and_a_process_outside_it_is(monkeypatch: pytest.MonkeyPatch):
+    """Two busy neighbours outside the gate's tree, one carrying the gate's SERVEGATE_HOST_GROUP (a lane of
+    the same test run) and one without it (a stranger): the check names and counts only the stranger, and
+    records the group's CPU beside it. Without a group of its own the gate counts both."""
+    monkeypatch.setenv(HOST_GROUP_ENV, "servegate-test-group")
+    friend = _orphan_busy({**os.environ})
+    stranger = _orphan_busy(_outside_the_group())
+    try:
+        time.sleep(0.5)
+        config = load_config(profile="smoke", overrides=["host.sample_s=1.5", "host.max_other_cpu_cores=0.1"])
+        check = record_host(config).check
+        monkeypatch.delenv(HOST_GROUP_ENV)
+        ungrouped = record_host(config).check
+    finally:
+        for proc in (friend, stranger):
+            proc.kill()
+        psutil.wait_procs([friend, stranger], timeout=10)
+    assert check is not None and ungrouped is not None
+    listed = {u.pid: u.cpu_cores for u in check.cpu_users}
+    assert friend.pid not in listed and listed.get(stranger.pid, 0) >= 0.3, check
+    assert check.host_group == "servegate-test-group" and check.group_cpu_cores >= 0.3, check
+    assert check.other_cpu_cores >= listed[stranger.pid] and check.problems, check  # 0.1 core allowed: refused
+    assert f"pid {stranger.pid} python" in check.problems[0] and f"pid {friend.pid} " not in check.problems[0]
+    counted = {u.pid for u in ungrouped.cpu_users}
+    assert {friend.pid, stranger.pid} <= counted and ungrouped.host_group is None, ungrouped
+
+
+@pytest.mark.gate
+@pytest.mark.exclusive
 def test_a_quiet_host_is_recorded_in_the_run_folder_and_the_history(tmp_path: Path):
     """The allowances are raised past what the machine could hold (and GPU neighbours allowed), so that
     the record is tested on a machine that other tests keep busy; the thread settings of the gate and
@@ -118,6 +171,7 @@ elif args[0].startswith("--query-compute-apps="):
 """
 
 
+@pytest.mark.gate
 def test_nvidia_smi_is_queried_with_the_exact_commands_and_foreign_gpu_processes_fail(tmp_path: Path,
                                                                                         monkeypatch):
     log = tmp_path / "smi.log"

@@ -48,6 +48,8 @@ from servegate.automations import NAME_PREFIX
 from servegate.launch import free_port
 from servegate.proctree import terminate_tree
 
+pytestmark = [pytest.mark.gate]
+
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 10  # Prefect's floor for a proactive trigger's window
 
@@ -149,7 +151,6 @@ def _collect(messages: queue.Queue, expected: int, not_before: float, give_up: f
     return got
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_run_without_a_verdict_raises_the_missing_data_alert(prefect_api, webhook, capsys):
     url, env = prefect_api

@@ -21,7 +21,7 @@ from servegate.launch import launch_worker
 from servegate.paired.rounds import PairedMeasurement
 from servegate.tables import PAIRED_COLUMNS, PAIRED_ROUND_COLUMNS, PAIRED_WORKER_COLUMNS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(900)]
 
 TINY = ["worker.model=tiny-random", "baseline.model=tiny-random", "warmup.num_requests=1"]
 
@@ -39,6 +39,7 @@ def _measure(tmp_path: Path, *overrides: str) -> tuple[PairedMeasurement, list]:
     return m, launched
 
 
+@pytest.mark.exclusive
 def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_path: Path):
     # Interleaved (smoke-ab's duet is in the A/A test below): ABBA order, the sides one after the other.
     m, launched = _measure(tmp_path, 'worker.extra_args=["--fault-decode-slowdown-pct","300"]',
@@ -97,6 +98,7 @@ def test_a_slow_candidate_is_a_regression_decided_in_rounds_with_restarts(tmp_pa
     assert (tmp_path / "baseline-worker.log").is_file() and (tmp_path / "worker.log").is_file()
 
 
+@pytest.mark.exclusive
 def test_a_a_is_never_a_regression_and_the_budget_stops_it(tmp_path: Path):
     # The same worker on both sides, a bound of 10 % and a budget of a few rounds: whatever the
     # machine does meanwhile, ABBA order and pairing keep A/A from looking like a regression.

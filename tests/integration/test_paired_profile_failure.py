@@ -11,7 +11,7 @@ import pytest
 from servegate.config import load_config
 from servegate.paired.rounds import PairedMeasurement
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(300)]
 
 
 def test_a_profiler_route_that_refuses_is_a_failed_row_and_a_remark_not_an_error(tmp_path: Path):

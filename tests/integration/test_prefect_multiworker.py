@@ -107,7 +107,7 @@ def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: floa
 
 
 @pytest.fixture
-def prefect_server(tmp_path: Path, pg_cluster: PostgresCluster):
+def team_prefect_server(tmp_path: Path, pg_cluster: PostgresCluster):
     """``prefect server start`` on its own PostgreSQL database; the gates' history in another one."""
     suffix = uuid4().hex[:8]
     prefect_db = pg_cluster.create_database(f"prefect_{suffix}")
@@ -129,10 +129,10 @@ def prefect_server(tmp_path: Path, pg_cluster: PostgresCluster):
                 proc.stdout.close()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_nightly_matrix_on_two_process_workers(prefect_server, pg_cluster: PostgresCluster, tmp_path: Path):
-    env, procs, databases = prefect_server
+@pytest.mark.gate
+def test_nightly_matrix_on_two_process_workers(team_prefect_server, pg_cluster: PostgresCluster, tmp_path: Path):
+    env, procs, databases = team_prefect_server
     for pool in POOLS:
         _cli([*PREFECT, "work-pool", "create", pool, "--type", "process"], env)
     _cli([*PREFECT, "gcl", "create", f"device-{SLOT}", "--limit", "1"], env)

@@ -84,6 +84,7 @@ def test_report_only_metrics_without_history_are_shown_not_insufficient_data():
         assert row["current_value"] in (60.0, 5000.0, 70.0)
 
 
+@pytest.mark.gate
 def test_a_profile_gates_start_up_time_with_a_threshold_on_the_worker_table(tmp_path: Path):
     """Off by default; a profile turns it on with an absolute bound on the ``worker`` table."""
     suites = tmp_path / "expectations"
@@ -104,6 +105,7 @@ def test_a_profile_gates_start_up_time_with_a_threshold_on_the_worker_table(tmp_
     assert decide_verdict(validate_tables(fast, "cpu-nightly", suites), []).status == "pass"
 
 
+@pytest.mark.gate
 def test_report_only_metrics_are_kept_in_history_trended_and_shown_in_the_report(tmp_path: Path):
     """Three nights and a fourth as the flow records them (compare, then record with the comparison):
     the history keeps the worker and cost tables, the report trends them, shows them in the comparison

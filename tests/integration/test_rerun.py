@@ -144,7 +144,7 @@ def test_attempt_gets_its_own_folder_and_the_original_never_changes(tmp_path: Pa
     assert recorded != again.attempt_of
 
 
-def test_device_slot_is_off_when_unset_and_missing_limit_is_an_error(monkeypatch, prefect_harness):
+def test_device_slot_is_off_when_unset_and_missing_limit_is_an_error(monkeypatch, prefect_server):
     monkeypatch.delenv(DEVICE_SLOT_ENV, raising=False)
     with hold_device_slot() as held:  # no server call at all
         assert held is not None

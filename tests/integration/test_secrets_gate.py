@@ -39,7 +39,7 @@ from servegate.config import PROFILES_DIR
 from servegate.proctree import terminate_tree
 from servegate.worker.cli import API_KEY_ENV
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # the gate (GATE_TIMEOUT_S), then the CLIs
+pytestmark = [pytest.mark.gate, pytest.mark.timeout(600)]  # the gate (GATE_TIMEOUT_S), then the CLIs
 
 REPO = Path(__file__).resolve().parents[2]
 

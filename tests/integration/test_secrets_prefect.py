@@ -43,7 +43,7 @@ async def _stored_parameters(flow_run_id: str) -> dict[str, Any]:
         return (await client.read_flow_run(flow_run_id)).parameters
 
 
-def test_flow_parameter_is_stored_redacted_and_received_intact(prefect_harness) -> None:
+def test_flow_parameter_is_stored_redacted_and_received_intact(prefect_server) -> None:
     got = _probe(config=_config())
     # In-process, Prefect validates the parameter but passes the model on: the secrets are usable.
     assert (got["key"], got["hf"], got["store"]) == (KEY, "hf_secret", "postgresql://gate:hunter2@db.example/history")

@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # the e2e tests' helpers
 from e2eutil import REPO, gate_env, marked_processes, stdout_json  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.gate, pytest.mark.engine, pytest.mark.exclusive]
 
 GATE_TIMEOUT_S = 420  # ~1 min here; the profile's own max_wall_s is 900
 

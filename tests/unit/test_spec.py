@@ -232,7 +232,6 @@ PASSAGE = ("The lighthouse keeper climbed the narrow stairs every evening, lit t
            "and wrote the weather, the passing ships and the state of the sea in his logbook.")
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_accept_length_above_one_when_the_answer_repeats_the_prompt():
     model, tokenizer = load_model(ensure_model("smollm2-135m"), dtype="float32")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from workerutil import generate
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 
 def test_smollm2_knows_the_capital_of_france(start_worker) -> None:
