@@ -23,7 +23,7 @@ from servegate import jsonio
 from servegate.config import GateConfig
 from servegate.errors import ConfigError
 from servegate.flows.gate import regression_gate
-from servegate.paired.solo import run_solo
+from servegate.paired.solo import ARRIVALS, run_solo
 from servegate.paired.zoo import build_tree
 from servegate.runstate import resolve_config
 from servegate.results import RunFolder
@@ -58,12 +58,14 @@ SOLO_FILE = "solo.json"
 def _solo_effects(out: Path, config: GateConfig, plan: CalibrationPlan, trees: dict[str, Path]) -> dict[str, Any]:
     """Each zoo regression's solo effect (:mod:`servegate.paired.solo`: its decode steps alternated with the
     baseline's in one process, on the paired workload, pinned where the candidate worker runs): what the
-    gate's reading of it is held against. Measured before its first decision, kept in ``solo.json``."""
+    gate's reading of it is held against. Measured before its first decision, kept in ``solo.json``; one
+    measured with the block's prompts admitted together (before the solo harness replayed the arrivals, or
+    without its ``arrivals``) is measured again."""
     path = out / SOLO_FILE
     solo: dict[str, Any] = jsonio.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     p = config.paired
     for name, tree in trees.items():
-        if name in solo:
+        if solo.get(name, {}).get("arrivals") == ARRIVALS[0]:
             continue
         logger.info("solo effect of %s: its decode steps alternated with the baseline's in one process", name)
         solo[name] = run_solo(tree, model=config.worker.model, requests_per_block=p.requests_per_block,

@@ -53,8 +53,14 @@ def _is(item: pytest.Item, marker: str) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The exclusive tests last, each in its collected order (the lanes then meet them at the end);
-    before xdist's own hook reads the order."""
+    """The exclusive tests last, each in its collected order (the lanes then meet them at the end); and a
+    module's tests on one lane (an xdist group per module, ``--dist loadgroup``), so that a module-scoped
+    fixture — a worker, a vLLM server, a gate run its tests share — starts once, not once per lane. A
+    module's exclusive tests are a group of their own, so that they wait for the end with the others.
+    Before xdist's own hook reads the groups and the order."""
+    for item in items:
+        group = item.nodeid.split("::", 1)[0] + ("#exclusive" if _is(item, "exclusive") else "")
+        item.add_marker(pytest.mark.xdist_group(group))
     items[:] = [i for i in items if not _is(i, "exclusive")] + [i for i in items if _is(i, "exclusive")]
 
 

@@ -8,6 +8,12 @@ member's, :mod:`servegate.paired.zoo`), its own model with its own CPU fast path
 thread: both batches of the paired workload (``requests_per_block`` prompts of ``input_len`` random tokens,
 ``output_len`` greedy tokens each, ``ignore_eos``) are in flight together, and the two schedulers take
 turns, one decode step each (prefill, forward, sampling, the scheduler's per-token Python, its metrics).
+
+The prompts arrive as they reach a serving worker: one admitted per decode step (``arrivals="ragged"``,
+the default), so the decode batch holds sequences of different lengths and takes the attention mask's
+path, as the paired gate's workers do. Admitted together (``"aligned"``) the batch is mask-free: a change
+to the attention kernel showed +25 % there and x0.975 ragged, where the gate read x0.99
+(``benchmarks/solo_arrivals.py``; docs/paired.md).
 Each step runs alone on the core, so the change is measured at its solo size; and the two sides' steps
 are tens of milliseconds apart, so the machine's swings in speed, which make blocks measured one after
 the other differ by 12-14 % here (docs/paired.md), fall on both alike.
@@ -152,13 +158,22 @@ def _t_interval(samples: list[float], confidence: float) -> tuple[float, float, 
     return mean, mean - half, mean + half
 
 
+ARRIVALS = ("ragged", "aligned")
+"""How the block's prompts reach the scheduler; the first is the default, what a serving worker sees."""
+
+
 def measure_solo(candidate_tree: Path, *, baseline_tree: Path | None = None, model: str = "smollm2-135m",
                  rounds: int = 20, requests_per_block: int = 4, input_len: int = 64, output_len: int = 64,
-                 seed: int = 0, confidence: float = 0.95, candidate_first: bool = False) -> SoloEffect:
+                 seed: int = 0, confidence: float = 0.95, candidate_first: bool = False,
+                 arrivals: str = "ragged") -> SoloEffect:
     """Alternate the two builds' decode steps over ``rounds`` rounds of the paired workload (fresh random
     prompts per round, the same for both sides; which side steps first alternates by round).
     ``candidate_first``: load the candidate's build and model before the baseline's (where each model's
-    memory lands is an offset of the process, :func:`run_solo` averages it over processes)."""
+    memory lands is an offset of the process, :func:`run_solo` averages it over processes).
+    ``arrivals``: ``"ragged"``, one prompt admitted per decode step (as a serving worker sees them), or
+    ``"aligned"``, the block's prompts admitted together."""
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
     import torch
 
     from servegate.models import ensure_model
@@ -180,7 +195,12 @@ def measure_solo(candidate_tree: Path, *, baseline_tree: Path | None = None, mod
             order = sides if r % 2 == 0 else sides[::-1]
             for side in order:
                 side.step_s.clear()
-                side.submit(prompts, output_len)
+                if arrivals == "aligned":
+                    side.submit(prompts, output_len)
+            for prompt in prompts if arrivals == "ragged" else []:
+                for side in order:  # one arrival, then one decode step of what is in flight
+                    side.submit([prompt], output_len)
+                    side.step()
             while any(side.running for side in order):
                 for side in order:
                     if side.running:
@@ -205,7 +225,7 @@ SOLO_TIMEOUT_S = 1800.0
 
 def run_solo(candidate_tree: Path, *, model: str, requests_per_block: int, input_len: int, output_len: int,
              rounds: int = 8, processes: int = 4, cpu: int | None = None, log_path: Path | None = None,
-             confidence: float = 0.95) -> dict[str, Any]:
+             confidence: float = 0.95, arrivals: str = "ragged") -> dict[str, Any]:
     """The solo effect over ``processes`` fresh processes of :func:`measure_solo`, ``rounds`` rounds each,
     alternating which build loads first: the ratio is the geometric mean of the processes' ratios and its
     interval a t interval over them. Two models in one process differ by about 1 % by where their memory
@@ -213,7 +233,8 @@ def run_solo(candidate_tree: Path, *, model: str, requests_per_block: int, input
     are the samples. The :class:`SoloEffect` fields of the whole, with ``per_process`` the processes' own."""
     per_process = [_solo_process(candidate_tree, model=model, requests_per_block=requests_per_block,
                                  input_len=input_len, output_len=output_len, rounds=rounds, cpu=cpu,
-                                 log_path=log_path, candidate_first=bool(i % 2)) for i in range(processes)]
+                                 log_path=log_path, candidate_first=bool(i % 2), arrivals=arrivals)
+                   for i in range(processes)]
     logs = [math.log(p["ratio"]) for p in per_process]
     mean, low, high = _t_interval(logs, confidence) if len(logs) > 1 else (logs[0], math.nan, math.nan)
     return {"ratio": math.exp(mean), "ci_low": math.exp(low), "ci_high": math.exp(high),
@@ -222,12 +243,13 @@ def run_solo(candidate_tree: Path, *, model: str, requests_per_block: int, input
             "baseline_step_ms": statistics.median(p["baseline_step_ms"] for p in per_process),
             "candidate_step_ms": statistics.median(p["candidate_step_ms"] for p in per_process),
             "baseline_build": per_process[0]["baseline_build"], "candidate_build": per_process[0]["candidate_build"],
-            "seconds": round(sum(p["seconds"] for p in per_process), 1), "per_process": per_process}
+            "seconds": round(sum(p["seconds"] for p in per_process), 1), "arrivals": arrivals,
+            "per_process": per_process}
 
 
 def _solo_process(candidate_tree: Path, *, model: str, requests_per_block: int, input_len: int, output_len: int,
                   rounds: int, cpu: int | None, log_path: Path | None, candidate_first: bool,
-                  timeout_s: float = SOLO_TIMEOUT_S) -> dict[str, Any]:
+                  arrivals: str = "ragged", timeout_s: float = SOLO_TIMEOUT_S) -> dict[str, Any]:
     """:func:`measure_solo` in a fresh process (``python -P``: this package as the baseline, whatever the
     working directory holds), its whole tree ended on every exit path; the :class:`SoloEffect` as a dict.
     Its stderr goes to ``log_path``; ``InfraError`` when it fails or outlives ``timeout_s``."""
@@ -238,7 +260,7 @@ def _solo_process(candidate_tree: Path, *, model: str, requests_per_block: int, 
 
     cmd = [sys.executable, "-P", "-m", "servegate.paired.solo", "--candidate-tree", str(candidate_tree),
            "--model", model, "--rounds", str(rounds), "--requests-per-block", str(requests_per_block),
-           "--input-len", str(input_len), "--output-len", str(output_len), "--json"]
+           "--input-len", str(input_len), "--output-len", str(output_len), "--arrivals", arrivals, "--json"]
     if cpu is not None:
         cmd += ["--cpu", str(cpu)]
     if candidate_first:
@@ -279,13 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
     parser.add_argument("--candidate-first", action="store_true", help="load the candidate's build first")
+    parser.add_argument("--arrivals", choices=ARRIVALS, default="ragged",
+                        help="one prompt admitted per decode step (ragged, as served) or all together (aligned)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     effect = measure_solo(args.candidate_tree, baseline_tree=args.baseline_tree, model=args.model,
                           rounds=args.rounds, requests_per_block=args.requests_per_block,
-                          input_len=args.input_len, output_len=args.output_len, candidate_first=args.candidate_first)
+                          input_len=args.input_len, output_len=args.output_len, candidate_first=args.candidate_first,
+                          arrivals=args.arrivals)
     if args.json:
         print(json.dumps(asdict(effect)))
     else:

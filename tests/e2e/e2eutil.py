@@ -14,6 +14,17 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 
 
+def tiny_gate(decode_delay_ms: int = 20) -> list[str]:
+    """``--set`` arguments that run a gate's plumbing on the tiny random-weight model, every forward pass
+    delayed by a fixed ``decode_delay_ms`` (the worker's ``--fault-decode-delay-ms``, a sleep): it loads in
+    a fraction of the real model's time and its speed hardly depends on what else the machine does, so a
+    test of stage order, exit codes, outputs or tear-down can run beside another lane. Quality needs a real
+    model: off. The real SmolLM2 stays where the property needs it (docs/testing.md lists those tests)."""
+    return ["--set", "worker.model=tiny-random",
+            "--set", f'worker.extra_args=["--fault-decode-delay-ms","{decode_delay_ms}"]',
+            "--set", "quality.enabled=false"]
+
+
 def gate_env(tmp_path: Path, *, own_prefect: bool = False) -> dict[str, str]:
     """The environment of a servegate CLI run that belongs to this test only. Its Prefect API is the
     session's server when the test is marked ``gate`` (conftest puts ``PREFECT_API_URL`` in the test's

@@ -39,7 +39,6 @@ def _builds(path: Path) -> Path:
 
 
 @pytest.mark.gate
-@pytest.mark.exclusive
 def test_a_slowdown_from_build_5_of_8_is_bisected_to_it_around_a_broken_build(tmp_path: Path):
     builds = _builds(tmp_path / "builds.toml")
     cmd = [sys.executable, "-m", "servegate", "bisect", "--profile", "smoke-ab", "--builds", str(builds),

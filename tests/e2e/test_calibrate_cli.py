@@ -186,7 +186,6 @@ def test_paired_calibration_refuses_a_config_without_a_baseline_before_running_a
 
 
 @pytest.mark.gate
-@pytest.mark.exclusive
 def test_paired_calibration_runs_a_zoo_regression_beside_its_solo_effect(tmp_path: Path) -> None:
     # A real code change of the worker as an arm (the zoo's sampler-one-path: the greedy shortcut removed),
     # on the tiny model so that its solo effect and its decision are quick: the plumbing, not the detection
@@ -218,6 +217,7 @@ def test_paired_calibration_runs_a_zoo_regression_beside_its_solo_effect(tmp_pat
     assert config["worker"]["env"]["PYTHONPATH"] == str(tree) and "PYTHONPATH" not in config["baseline"]["env"]
     solo = json.loads((out / "solo.json").read_text())["sampler-one-path"]
     assert solo["processes"] == 4 and solo["ci_low"] <= solo["ratio"] <= solo["ci_high"]
+    assert solo["arrivals"] == "ragged"  # one prompt per decode step, as the gate's workers are fed
     assert solo["baseline_build"] != solo["candidate_build"]
     arms = {f["arm"]: f for f in doc["figures"]}
     assert set(arms) == {"A/A", "sampler-one-path"}

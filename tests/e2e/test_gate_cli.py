@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
-from e2eutil import REPO, gate_env, stdout_json, worker_processes
+from e2eutil import REPO, gate_env, stdout_json, tiny_gate, worker_processes
 
 from servegate.history import Store
 
@@ -37,18 +37,12 @@ FAST = [
 ]
 
 
-
-
 def _run(tmp_path: Path, *args: str, timeout: float = 840, env: dict[str, str] | None = None
          ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *FAST, *args]
     return subprocess.run(cmd, cwd=REPO, env={**gate_env(tmp_path), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
-
-
-
-
 
 
 @pytest.mark.exclusive
@@ -132,7 +126,7 @@ def test_terminal_shows_the_measured_numbers_and_verbose_brings_the_library_logs
     """Without --json: the metric table (each measured number with its bound and mark) before the
     verdict, and where the report is; -v puts the libraries' INFO lines back on the terminal."""
     cmd = [sys.executable, "-m", "servegate", "-v", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
-           "--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false", "--set", "quality.enabled=false",
+           "--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false", *tiny_gate(),
            "--set", "serving.num_prompts=4"]
     proc = subprocess.run(cmd, cwd=REPO, env=gate_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
@@ -156,7 +150,7 @@ def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
     suites = tmp_path / "expectations"
     shutil.copytree(REPO / "expectations", suites)
     smoke = json.loads((suites / "smoke.json").read_text())
-    # Demand an output throughput no 2-core CPU reaches with a 135M model.
+    # Demand an output throughput no 2-core CPU reaches (the tiny model's forward passes sleep 20 ms each).
     smoke["suites"].setdefault("serving_summary", {"expectations": []})["expectations"].append({
         "type": "expect_column_values_to_be_between",
         "kwargs": {"column": "output_throughput", "min_value": 1.0e6},
@@ -167,7 +161,7 @@ def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
     step_summary = tmp_path / "step_summary.md"
     step_summary.write_text("## an earlier step's summary\n")
     proc = _run(tmp_path, "--set", f"validate.expectations_dir={suites}", "--set", "occupancy.enabled=false",
-                env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(step_summary)})
+                *tiny_gate(), env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(step_summary)})
     verdict = stdout_json(proc)
     assert proc.returncode == 1, f"{verdict}\n{proc.stderr[-4000:]}"
     assert verdict["status"] == "fail"
@@ -176,19 +170,19 @@ def test_threshold_the_worker_cannot_meet_fails_with_exit_1(tmp_path: Path):
     assert not worker_processes(tmp_path)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("::error ")]
     assert len(errors) == len(verdict["breaches"]) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith("::error title=servegate smoke/embedded/cpu-2core/smollm2-135m%3A regression::"
+    assert errors[0].startswith("::error title=servegate smoke/embedded/cpu-2core/tiny-random%3A regression::"
                                 "serving_summary.output_throughput: observed "), errors
     assert "allowed >= 1e+06" in errors[0] and "(test: impossible threshold)" in errors[0], errors
     summary = step_summary.read_text()
     assert summary.startswith("## an earlier step's summary\n## servegate: **fail**"), summary
     assert summary.rstrip().endswith((Path(verdict["run_dir"]) / "summary.md").read_text().rstrip())
     comment = (Path(verdict["run_dir"]) / "pr_comment.md").read_text()
-    assert comment.startswith("<!-- servegate:smoke/embedded/cpu-2core/smollm2-135m -->\n## servegate: **fail**")
+    assert comment.startswith("<!-- servegate:smoke/embedded/cpu-2core/tiny-random -->\n## servegate: **fail**")
 
 
 def test_worker_killed_mid_run_is_inconclusive_and_leaves_no_process(tmp_path: Path):
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
-           "--json", *FAST, "--set", "serving.num_prompts=40", "--set", "serving.request_rate=2"]
+           "--json", *FAST, *tiny_gate(), "--set", "serving.num_prompts=40", "--set", "serving.request_rate=2"]
     gate = subprocess.Popen(cmd, cwd=REPO, env=gate_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

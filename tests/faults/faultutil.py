@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # the e2e tests' helpers
-from e2eutil import REPO, gate_env, marked_processes, survivors  # noqa: E402,F401  (re-used by the fault tests)
+from e2eutil import REPO, gate_env, marked_processes, survivors, tiny_gate  # noqa: E402,F401  (re-used by the fault tests)
 
 # The tiny random-weight model with every forward pass delayed, so that each stage lasts long
 # enough (seconds) to be hit in the middle; quality needs a real model, so it is off.
 SLOW_TINY = [
-    "--set", "worker.model=tiny-random",
-    "--set", 'worker.extra_args=["--fault-decode-delay-ms","40"]',
+    *tiny_gate(decode_delay_ms=40),
     "--set", "warmup.max_new_tokens=4",
     "--set", "one_batch.batch_sizes=[1, 2]",
     "--set", "one_batch.input_lens=[16]",
@@ -37,7 +36,6 @@ SLOW_TINY = [
     "--set", "serving.request_rate=4",
     "--set", "serving.progress=false",
     "--set", "occupancy.max_new_tokens=200",
-    "--set", "quality.enabled=false",
     "--set", "report.html=false",
 ]
 

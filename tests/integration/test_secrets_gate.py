@@ -42,17 +42,19 @@ from servegate.worker.cli import API_KEY_ENV
 pytestmark = [pytest.mark.gate, pytest.mark.timeout(600)]  # the gate (GATE_TIMEOUT_S), then the CLIs
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+from e2eutil import tiny_gate  # noqa: E402
 
 KEY = "sk-planted-4f1c9e2a7b"
 KEY_VAR = "SECRETS_GATE_WORKER_KEY"  # what worker.api_key_env names
 HOSTILE = "cpu-<img src=x onerror=alert(1)>"  # a config string (hardware) that is part of the gate key
 HOSTILE_ESCAPED = "cpu-&lt;img src=x onerror=alert(1)&gt;"
-GATE_KEY = f"smoke/embedded/{HOSTILE}/smollm2-135m"
+GATE_KEY = f"smoke/embedded/{HOSTILE}/tiny-random"
 GATE_MAX_WALL_S = 300  # the gate's own deadline (max_wall_s: past it, an inconclusive verdict) ...
 GATE_TIMEOUT_S = 360.0  # ... and this test's, should the gate not keep it
 # The smoke gate's stages that record and report, on a small load: launch, warm-up, serving,
-# validate, record, report (one batch, occupancy and quality add nothing here but minutes).
-CHEAP = ["--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false", "--set", "quality.enabled=false",
+# validate, record, report (one batch, occupancy and quality add nothing here but minutes), on the tiny model.
+CHEAP = ["--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false", *tiny_gate(),
          "--set", "serving.num_prompts=8"]
 
 
