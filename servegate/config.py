@@ -484,7 +484,7 @@ class HostConfig(_Model):
     max_other_cpu_cores: Annotated[float, BeforeValidator(_not_bool)] = Field(
         0.5, ge=0, allow_inf_nan=False, description=(
         "most CPU that processes outside the gate's own tree, its ancestors and its host group (the processes "
-        "whose environment carries the gate's SERVEGATE_HOST_GROUP value) may hold during the sample, in cores "
+        "whose environment carries the gate's SERVEGATE_HOST_GROUP value, and their descendants) may hold during the sample, in cores "
         "(0.5 = half a core; a busy-loop neighbour holds 1.0)"))
     foreign_gpu_processes: bool = Field(False, description=(
         "allow compute processes that are not the gate's on the GPUs its workers see (nvidia-smi; "

@@ -16,7 +16,8 @@ the regressions the gate looks for. So before measuring, the gate
 
   What counts as *other*: every process except the gate's own tree, its ancestors (pytest, a CI
   runner, a Prefect worker) and its **host group** — the processes whose environment carries the
-  same ``SERVEGATE_HOST_GROUP`` value as the gate's (:data:`HOST_GROUP_ENV`). A job that runs
+  same ``SERVEGATE_HOST_GROUP`` value as the gate's (:data:`HOST_GROUP_ENV`), and their descendants
+  (a process that writes its title over its environment — a PostgreSQL backend — stays in). A job that runs
   processes beside its gate on purpose names them so: the test suite's parallel lanes do
   (``tests/conftest.py``), and its tests that assert a measured effect run alone, after them. The
   group's CPU is recorded (``group_cpu_cores``), not counted; a process outside the group — a
@@ -221,15 +222,38 @@ def _own_tree() -> set[int]:
     return ours
 
 
-def _in_group(proc: psutil.Process, group: str | None) -> bool:
-    """Whether ``proc``'s environment names host group ``group`` (never, when ``group`` is None or the
-    environment cannot be read: a process we cannot see into is counted)."""
-    if not group:
-        return False
-    try:
-        return proc.environ().get(HOST_GROUP_ENV) == group
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-        return False
+class _Group:
+    """Which processes belong to host group ``group``: those whose environment names it, and their
+    descendants. Descent matters because a process may overwrite the memory that ``/proc/PID/environ``
+    shows with its title — PostgreSQL's backends and every ``setproctitle`` user (vLLM's engine core)
+    do — while its parent, started by the group, still shows the group's value. A process we cannot
+    see into, with no ancestor in the group, is counted; so is every process when ``group`` is None."""
+
+    def __init__(self, group: str | None) -> None:
+        self.group = group
+        self._known: dict[int, bool] = {}
+
+    def __contains__(self, proc: psutil.Process) -> bool:
+        if not self.group:
+            return False
+        chain: list[int] = []
+        current: psutil.Process | None = proc
+        member = False
+        while current is not None and current.pid > 1:
+            if current.pid in self._known:
+                member = self._known[current.pid]
+                break
+            chain.append(current.pid)
+            try:
+                if current.environ().get(HOST_GROUP_ENV) == self.group:
+                    member = True
+                    break
+                current = current.parent()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+                current = None
+        for pid in chain:
+            self._known[pid] = member
+        return member
 
 
 def _other_cpu_users(sample_s: float, group: str | None = None) -> tuple[list[CpuUser], float]:
@@ -246,7 +270,7 @@ def _other_cpu_users(sample_s: float, group: str | None = None) -> tuple[list[Cp
     before = _own_tree()
     time.sleep(sample_s)
     ours = before | _own_tree()
-    users, group_cores = [], 0.0
+    users, group_cores, members = [], 0.0, _Group(group)
     for proc in procs:
         if proc.pid in ours or proc.pid == 0:
             continue
@@ -256,7 +280,7 @@ def _other_cpu_users(sample_s: float, group: str | None = None) -> tuple[list[Cp
             continue
         if cores < _SHOWN_CPU_USERS:
             continue
-        if _in_group(proc, group):
+        if proc in members:
             group_cores += cores
             continue
         users.append(CpuUser(pid=proc.pid, name=proc.info.get("name") or "?", username=proc.info.get("username"),

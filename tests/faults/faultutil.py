@@ -81,7 +81,8 @@ def wait_for_stage(gate: subprocess.Popen, tmp_path: Path, stage: str, timeout_s
             time.sleep(0.5)  # well inside the stage, which lasts seconds
             return
         if stage in stages:
-            raise AssertionError(f"{stage} ended before the test could hit it: {stages[stage]}")
+            raise AssertionError(f"{stage} ended before the test could hit it: {stages[stage]}; "
+                                 f"host: {stages.get('host')}")
         time.sleep(0.1)
     raise AssertionError(f"{stage} did not begin within {timeout_s} s; stages: {stage_status(tmp_path)}")
 

@@ -85,42 +85,57 @@ def test_a_core_kept_busy_by_another_process_makes_the_gate_inconclusive(tmp_pat
     assert row.status == "inconclusive" and row.manifest["environment"] == record
 
 
-@pytest.mark.exclusive
-def _orphan_busy(env: dict[str, str]) -> psutil.Process:
-    """A busy loop that is not this process's descendant (its parent exits at once): a gate checked from
-    this process would otherwise count it as its own tree, as it counts its workers."""
+_BUSY = "while True: pass"
+# A parent that stays (in the environment it was given) and a busy child whose environment lacks the group.
+_PARENT_OF_BUSY = ("import os, subprocess, sys; env = {k: v for k, v in os.environ.items() if k != %r}; "
+                   "subprocess.Popen([sys.executable, '-c', %r], env=env).wait()" % (HOST_GROUP_ENV, _BUSY))
+
+
+def _orphan(env: dict[str, str], code: str) -> psutil.Process:
+    """A process running ``code`` that is not this process's descendant (its launcher exits at once): a
+    gate checked from this process would otherwise count it as its own tree, as it counts its workers."""
     launcher = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
-                               "[sys.executable, '-c', 'while True: pass'], start_new_session=True, "
+                               f"[sys.executable, '-c', {code!r}], start_new_session=True, "
                                "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
                               env=env, capture_output=True, text=True, timeout=30, check=True)
     return psutil.Process(int(launcher.stdout))
 
 
+@pytest.mark.exclusive
 def test_the_host_group_is_not_counted_and_a_process_outside_it_is(monkeypatch: pytest.MonkeyPatch):
-    """Two busy neighbours outside the gate's tree, one carrying the gate's SERVEGATE_HOST_GROUP (a lane of
-    the same test run) and one without it (a stranger): the check names and counts only the stranger, and
-    records the group's CPU beside it. Without a group of its own the gate counts both."""
+    """Three busy neighbours outside the gate's tree: one carrying the gate's SERVEGATE_HOST_GROUP (a lane of
+    the same test run), one whose environment lacks it but whose parent carries it (a PostgreSQL backend
+    writes its title over the environment /proc shows), and one without it (a stranger): the check names
+    and counts only the stranger, and records the group's CPU beside it. Without a group of its own the
+    gate counts all three."""
     monkeypatch.setenv(HOST_GROUP_ENV, "servegate-test-group")
-    friend = _orphan_busy({**os.environ})
-    stranger = _orphan_busy(_outside_the_group())
+    friend = _orphan({**os.environ}, _BUSY)
+    parent = _orphan({**os.environ}, _PARENT_OF_BUSY)
+    stranger = _orphan(_outside_the_group(), _BUSY)
     try:
+        deadline = time.monotonic() + 20
+        while not parent.children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [child] = parent.children()
+        assert HOST_GROUP_ENV not in child.environ()
         time.sleep(0.5)
         config = load_config(profile="smoke", overrides=["host.sample_s=1.5", "host.max_other_cpu_cores=0.1"])
         check = record_host(config).check
         monkeypatch.delenv(HOST_GROUP_ENV)
         ungrouped = record_host(config).check
     finally:
-        for proc in (friend, stranger):
+        procs = [friend, stranger, parent, *parent.children()]
+        for proc in procs:
             proc.kill()
-        psutil.wait_procs([friend, stranger], timeout=10)
+        psutil.wait_procs(procs, timeout=10)
     assert check is not None and ungrouped is not None
     listed = {u.pid: u.cpu_cores for u in check.cpu_users}
-    assert friend.pid not in listed and listed.get(stranger.pid, 0) >= 0.3, check
-    assert check.host_group == "servegate-test-group" and check.group_cpu_cores >= 0.3, check
+    assert friend.pid not in listed and child.pid not in listed and listed.get(stranger.pid, 0) >= 0.2, check
+    assert check.host_group == "servegate-test-group" and check.group_cpu_cores >= 0.4, check
     assert check.other_cpu_cores >= listed[stranger.pid] and check.problems, check  # 0.1 core allowed: refused
     assert f"pid {stranger.pid} python" in check.problems[0] and f"pid {friend.pid} " not in check.problems[0]
     counted = {u.pid for u in ungrouped.cpu_users}
-    assert {friend.pid, stranger.pid} <= counted and ungrouped.host_group is None, ungrouped
+    assert {friend.pid, child.pid, stranger.pid} <= counted and ungrouped.host_group is None, ungrouped
 
 
 @pytest.mark.gate
