@@ -36,15 +36,27 @@ def _outside_the_group() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name != HOST_GROUP_ENV}
 
 
-def _busy(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"], env=env)
-
-
 def _gate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "servegate", "run", "--profile", "smoke", "--output-dir", str(tmp_path / "runs"),
            "--json", *args]
     return subprocess.run(cmd, cwd=REPO, env={**gate_env(tmp_path), **(env or {})}, capture_output=True, text=True,
                           timeout=240)
+
+
+_BUSY = "while True: pass"
+# A parent that stays (in the environment it was given) and a busy child whose environment lacks the group.
+_PARENT_OF_BUSY = ("import os, subprocess, sys; env = {k: v for k, v in os.environ.items() if k != %r}; "
+                   "subprocess.Popen([sys.executable, '-c', %r], env=env).wait()" % (HOST_GROUP_ENV, _BUSY))
+
+
+def _orphan(env: dict[str, str], code: str) -> psutil.Process:
+    """A process running ``code`` that is not this process's descendant (its launcher exits at once): a
+    gate checked from this process would otherwise count it as its own tree, as it counts its workers."""
+    launcher = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
+                               f"[sys.executable, '-c', {code!r}], start_new_session=True, "
+                               "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
+                              env=env, capture_output=True, text=True, timeout=30, check=True)
+    return psutil.Process(int(launcher.stdout))
 
 
 @pytest.mark.gate
@@ -53,15 +65,15 @@ def test_a_core_kept_busy_by_another_process_makes_the_gate_inconclusive(tmp_pat
     """A busy-loop neighbour holds a whole core (twice the default allowance of half a core): the gate
     measures nothing, exits 2, and names the neighbour. The stages are the smoke gate's, shortened:
     a check that did not fire would launch the worker and pass. The neighbour is outside the test
-    run's host group (as a stranger's process is), the gate inside it."""
-    busy = _busy(_outside_the_group())
+    run's host group and not this test's descendant (as a stranger's process is), the gate inside it."""
+    busy = _orphan(_outside_the_group(), _BUSY)
     try:
         time.sleep(0.5)
         proc = _gate(tmp_path, "--set", "one_batch.enabled=false", "--set", "occupancy.enabled=false",
                      "--set", "quality.enabled=false", "--set", "serving.num_prompts=4")
     finally:
         busy.kill()
-        busy.wait(timeout=10)
+        psutil.wait_procs([busy], timeout=10)
     verdict = stdout_json(proc)
     assert proc.returncode == 2, f"{verdict}\n{proc.stderr[-3000:]}"
     assert verdict["status"] == "inconclusive" and verdict["breaches"] == []
@@ -83,22 +95,6 @@ def test_a_core_kept_busy_by_another_process_makes_the_gate_inconclusive(tmp_pat
     with Store(str(tmp_path / "history.db")) as store:
         row = store.get_run(run_dir.name)
     assert row.status == "inconclusive" and row.manifest["environment"] == record
-
-
-_BUSY = "while True: pass"
-# A parent that stays (in the environment it was given) and a busy child whose environment lacks the group.
-_PARENT_OF_BUSY = ("import os, subprocess, sys; env = {k: v for k, v in os.environ.items() if k != %r}; "
-                   "subprocess.Popen([sys.executable, '-c', %r], env=env).wait()" % (HOST_GROUP_ENV, _BUSY))
-
-
-def _orphan(env: dict[str, str], code: str) -> psutil.Process:
-    """A process running ``code`` that is not this process's descendant (its launcher exits at once): a
-    gate checked from this process would otherwise count it as its own tree, as it counts its workers."""
-    launcher = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
-                               f"[sys.executable, '-c', {code!r}], start_new_session=True, "
-                               "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
-                              env=env, capture_output=True, text=True, timeout=30, check=True)
-    return psutil.Process(int(launcher.stdout))
 
 
 @pytest.mark.exclusive
