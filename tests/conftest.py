@@ -51,17 +51,50 @@ def _is(item: pytest.Item, marker: str) -> bool:
     return item.get_closest_marker(marker) is not None
 
 
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture set up once for several tests (module, class or package scope):
+    a worker, a vLLM server, a gate run its module's tests read. Session fixtures are per lane anyway;
+    an autouse fixture (the environment a module's tests run in, such as test_signals' SIGINT) does not
+    count: it costs nothing worth keeping a module on one lane for."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # pytest moved it: group, as every module was before
+        return True
+    used = {name for mark in item.iter_markers("usefixtures") for name in mark.args}
+    autouse = set(info.initialnames) - set(info.argnames) - used
+    return any(defs and defs[-1].scope in _SHARED_SCOPES and name not in autouse
+               for name, defs in info.name2fixturedefs.items())
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The exclusive tests last, each in its collected order (the lanes then meet them at the end); and a
-    module's tests on one lane (an xdist group per module, ``--dist loadgroup``), so that a module-scoped
-    fixture — a worker, a vLLM server, a gate run its tests share — starts once, not once per lane. A
-    module's exclusive tests are a group of their own, so that they wait for the end with the others.
-    Before xdist's own hook reads the groups and the order."""
+    """The exclusive tests last, each in its collected order (the lanes then meet them at the end); and
+    the tests of a module whose tests share a fixture (module, class or package scope) on one lane, an
+    xdist group per module (``--dist loadgroup``), so that the fixture starts once, not once per lane.
+    Every other test is scheduled alone, wherever a lane is free, so that the lanes end their shared
+    work together. A module's exclusive tests are a group of their own, so that they wait for the end
+    with the others. Before xdist's own hook reads the groups and the order."""
+    grouped = {item.nodeid.split("::", 1)[0] for item in items if _shares_a_fixture(item)}
     for item in items:
-        group = item.nodeid.split("::", 1)[0] + ("#exclusive" if _is(item, "exclusive") else "")
-        item.add_marker(pytest.mark.xdist_group(group))
+        module = item.nodeid.split("::", 1)[0]
+        if module in grouped:
+            item.add_marker(pytest.mark.xdist_group(module + ("#exclusive" if _is(item, "exclusive") else "")))
     items[:] = [i for i in items if not _is(i, "exclusive")] + [i for i in items if _is(i, "exclusive")]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to start lanes whose groups xdist would ignore: pytest 9.2 keeps a node's id where
+    pytest-xdist 3.8 writes the group (``--dist loadgroup`` reads it there), so a module's shared fixture
+    would start on both lanes — an exclusive measurement twice. pyproject.toml's test extra pins pytest
+    below 9.2."""
+    if config.getoption("dist", default="no") != "loadgroup" or hasattr(config, "workerinput"):
+        return
+    if tuple(int(part) for part in pytest.__version__.split(".")[:2]) >= (9, 2):
+        raise pytest.UsageError(f"pytest {pytest.__version__} and pytest-xdist's --dist loadgroup do not work together "
+                                f"(the groups are dropped and a module's tests split across lanes); install the "
+                                f"versions the test extra names: pip install -e '.[test]'")
 
 
 def _lane_room() -> Path | None:

@@ -57,6 +57,11 @@ ZOO: dict[str, ZooRegression] = {z.name: z for z in (
                   "where each token's text ends found by decoding the output up to every token, at every "
                   "accepted token (a tokenizer call per token so far), instead of decoding a 64-token tail only "
                   "when there are stop strings: Python work in the scheduler's step that grows with the output"),
+    ZooRegression("attention-eager", "attention",
+                  "attention computed by transformers' eager path (matmul, softmax and matmul as separate "
+                  "operators in bfloat16, the mask added as a tensor) instead of the fast path's float32 SDPA "
+                  "kernel: the switch a model gets for output_attentions or a debugging session; slower in the "
+                  "ragged serving batch as well as the aligned one"),
     ZooRegression("sampler-one-path", "sampler",
                   "one sampling path for every request: the greedy shortcut removed, so every step takes a "
                   "softmax of the whole vocabulary and draws a sample per row before it picks the greedy token"),

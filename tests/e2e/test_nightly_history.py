@@ -1,7 +1,8 @@
 """Gate history end to end: nightly-style runs of the smoke profile compared with their baseline.
 
-Four real `servegate run --profile smoke` runs (real SmolLM2 worker, own Prefect server each)
-share one history database, as four nights of one gate key would, with the history rule
+Four real `servegate run --profile smoke` runs (the embedded worker on the tiny random-weight model,
+every decode step held 20 ms by its delay switch, so that a night's speed is the delay's and hardly the
+machine's: the history's plumbing, not the real model, is the subject) share one history database, as four nights of one gate key would, with the history rule
 ``compare.consecutive = 2`` (a regression is called only when two runs in a row show it):
 
 1. empty history: the relative checks cannot decide -> inconclusive (exit 2), yet the run is
@@ -10,7 +11,7 @@ share one history database, as four nights of one gate key would, with the histo
    gated metric is shown unchanged, otherwise inconclusive (exit 2) because a gated metric is
    undecided, and then not a baseline (with 12 requests the TTFT/TPOT/E2E medians' intervals,
    ~0.8-1.5, are often wider than the 30 % bound);
-3. the worker with every forward pass made 5x slower (``--fault-decode-slowdown-pct 400``): the
+3. the worker with every decode step made 5x slower (held 100 ms instead of 20): the
    decode metrics are beyond the bound, but night 2 was not, so they are ``suspicious``, not yet a
    regression: inconclusive (exit 2, "suspicious: ..."), never a pass, and no baseline (the
    baseline must not drift toward the slowdown); ``servegate status`` names them;
@@ -38,18 +39,20 @@ from e2eutil import REPO, gate_env, stdout_json, worker_processes
 pytestmark = [pytest.mark.gate, pytest.mark.exclusive, pytest.mark.timeout(1500)]
 
 
-# The smoke gate with fewer requests, no quality stage (it has no relative check) and no one-batch stage, plus the
-# baseline comparison a nightly profile turns on, with bounds wide enough for this machine's
-# run-to-run noise: identical smoke runs here differ by up to ~27 % in median ITL (a cold first
-# night was 81 vs 61 ms, 2 of 2 fresh CI machines), so a 5 % bound made night 2 a coin toss and
-# inflated night 3's between-run term until its interval reached 0.9. This test checks how the
-# history is built and used; how small a change the gate can see is measured by
-# `servegate calibrate` and the paired mode, not asserted here.
+# The smoke gate with fewer requests, no quality stage (it has no relative check; a random model has no
+# accuracy) and no one-batch stage, plus the baseline comparison a nightly profile turns on, with bounds
+# wide enough for run-to-run noise: identical smoke runs of the real model here differed by up to ~27 % in
+# median ITL (a cold first night was 81 vs 61 ms, 2 of 2 fresh CI machines). This test checks how the
+# history is built and used; how small a change the gate can see is measured by `servegate calibrate` and
+# the paired mode, not asserted here.
 BOUND, TAIL_BOUND = 0.30, 0.50
 CONSECUTIVE = 2  # the history rule: a regression is called on the second faulty night in a row
 FAST = [
+    "--set", "worker.model=tiny-random",
     "--set", "serving.num_prompts=12",
-    "--set", "occupancy.max_new_tokens=96",
+    # No occupancy stage: a decode step held by a sleep is not a forward pass, so the forward occupancy of
+    # the delayed tiny model (~8 %) is far below the smoke floor; it has no relative check either.
+    "--set", "occupancy.enabled=false",
     "--set", "quality.enabled=false",
     # No one-batch stage: its rows are report-only here (1 sample of each case), and the 5x slowdown takes
     # its absolute throughput floor (>= 3 tok/s) below it, a breach that would fail night 3 whatever the
@@ -62,14 +65,11 @@ FAST = [
     "--set", f"compare.consecutive={CONSECUTIVE}",
     "--set", "host.enabled=false",  # not about the host check: other people's processes must not decide it
 ]
-# +400 % on every forward pass (a sleep, so a busy machine does not shrink it): ITL x3.4-5.4 given
-# that the fault moves ITL by 0.6-1.1x its percentage. Even with a between-run sd of 0.3 in log
-# (more than the worst cold-start pair seen) the interval's low end stays near 1.6, far beyond 1.3.
-SLOWDOWN_PCT = 400
-# The slow nights skip the occupancy stage: 96 tokens decoded 5x slower took ~40 s of the ~110 s such a
-# night costs, and what they check is the serving stage's decode metrics against the history.
-SLOWDOWN = ["--set", f'worker.extra_args=["--fault-decode-slowdown-pct","{SLOWDOWN_PCT}"]',
-            "--set", "occupancy.enabled=false"]
+# Every decode step held DELAY_MS on a normal night (the tiny model's own step is 1-3 ms), SLOW_DELAY_MS on a
+# slow one: ITL about x4.5, and a sleep, so a busy machine does not shrink it.
+DELAY_MS, SLOW_DELAY_MS = 20, 100
+NORMAL = ["--set", f'worker.extra_args=["--fault-decode-delay-ms","{DELAY_MS}"]']
+SLOWDOWN = ["--set", f'worker.extra_args=["--fault-decode-delay-ms","{SLOW_DELAY_MS}"]']
 DECODE_METRICS = ("serving.itl_ms.median", "serving.tpot_ms.median")
 # Compared and shown, never gated (issue 19): what the worker cost.
 REPORT_ONLY = ("worker.startup_s.median", "worker.peak_rss_mib.median", "cost.cost_per_mtok_output.median")
@@ -132,7 +132,7 @@ def _g3(value: float) -> str:
 def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_slowdown_on_its_second_night(
         tmp_path: Path):
     # Night 1, empty history: no baseline, so every gated relative check is insufficient data.
-    verdict1, dir1, cmp1 = _night(tmp_path, expect_exit=2)
+    verdict1, dir1, cmp1 = _night(tmp_path, *NORMAL, expect_exit=2)
     run1 = dir1.name
     assert verdict1["status"] == "inconclusive" and verdict1["breaches"] == [], verdict1
     assert verdict1["infra_errors"] and all(e.startswith("insufficient data") for e in verdict1["infra_errors"]), \
@@ -143,13 +143,13 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_slow
     assert not gated1.empty and set(gated1["decision"]) == {"insufficient_data"}, _shown(cmp1)
     assert gated1["reason"].str.contains("too little history").all(), _shown(cmp1)
     assert set(DECODE_METRICS) <= set(gated1["metric"]), _shown(cmp1)
-    assert "fault injection active" not in (dir1 / "worker.log").read_text()
+    assert f"'decode_delay_ms': {DELAY_MS:.1f}" in (dir1 / "worker.log").read_text()
     _report_only_rows(cmp1, 0)  # no infra error for them: listed above, all of them gated checks
 
     # Night 2, same worker: compared with night 1, no regression. It passes only when every gated
     # metric is shown unchanged; an undecided one (interval across the bound) makes it inconclusive
     # and keeps it out of the baseline (issue 13: an undecided gated metric never passes).
-    verdict2, dir2, cmp2 = _night(tmp_path, expect_exit=(0, 2))
+    verdict2, dir2, cmp2 = _night(tmp_path, *NORMAL, expect_exit=(0, 2))
     run2 = dir2.name
     assert (cmp2["baseline_runs"] == run1).all(), _shown(cmp2) + f"\nbaseline_runs: {set(cmp2['baseline_runs'])}"
     gated2 = cmp2[cmp2["gated"]]
@@ -167,15 +167,15 @@ def test_nightly_runs_build_history_find_no_regression_unchanged_and_fail_a_slow
     else:
         assert verdict2["status"] == "pass" and verdict2["infra_errors"] == verdict2["undecided"] == [], verdict2
         baseline3 = {run1, run2}
-    assert "fault injection active" not in (dir2 / "worker.log").read_text()
+    assert f"'decode_delay_ms': {DELAY_MS:.1f}" in (dir2 / "worker.log").read_text()
     _report_only_rows(cmp2, 1)
 
-    # Night 3, every forward pass 5x slower: the decode metrics are beyond the bound, but with
+    # Night 3, every decode step 5x slower: the decode metrics are beyond the bound, but with
     # compare.consecutive = 2 one night is not yet a regression (night 2 was not one): suspicious,
     # exit 2, never a pass, and no baseline, so night 4 is compared with the same clean nights.
     verdict3, dir3, cmp3 = _night(tmp_path, *SLOWDOWN, expect_exit=2)
     run3 = dir3.name
-    assert "fault injection active" in (dir3 / "worker.log").read_text()
+    assert f"'decode_delay_ms': {SLOW_DELAY_MS:.1f}" in (dir3 / "worker.log").read_text()
     assert verdict3["status"] == "inconclusive" and verdict3["reason"].startswith("suspicious: "), verdict3
     assert verdict3["breaches"] == [] and verdict3["infra_errors"] == [], verdict3
     assert verdict3["baseline_eligible"] is False
