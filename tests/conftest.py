@@ -89,8 +89,9 @@ def pytest_configure(config: pytest.Config) -> None:
     pytest-xdist 3.8 writes the group (``--dist loadgroup`` reads it there), so a module's shared fixture
     would start on both lanes — an exclusive measurement twice. pyproject.toml's test extra pins pytest
     below 9.2."""
-    if config.getoption("dist", default="no") != "loadgroup" or hasattr(config, "workerinput"):
-        return
+    if (config.getoption("dist", default="no") != "loadgroup" or not config.getoption("numprocesses", default=None)
+            or hasattr(config, "workerinput")):
+        return  # one lane (-n 0) has no groups to lose
     if tuple(int(part) for part in pytest.__version__.split(".")[:2]) >= (9, 2):
         raise pytest.UsageError(f"pytest {pytest.__version__} and pytest-xdist's --dist loadgroup do not work together "
                                 f"(the groups are dropped and a module's tests split across lanes); install the "
