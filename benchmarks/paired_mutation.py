@@ -1,6 +1,7 @@
 """Does the paired e2e test still see a regression? A mutation check (issue 38).
 
-Copies this servegate package into a temporary folder, adds ``--pct`` % of each decode step's own CPU time
+Copies this servegate package into a temporary folder (``servegate.paired.zoo.copy_package``, as the zoo's
+trees are made), adds ``--pct`` % of each decode step's own CPU time
 as more computation in the copy's scheduler (``Scheduler._decode_step``: a real code change, not a fault
 switch), and runs the paired e2e test's gate — ``servegate run --profile smoke-ab`` with
 tests/e2e/test_paired_gate.py's short design — with the copy on the candidate's ``PYTHONPATH``. Prints the
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
+
+from servegate.paired.zoo import copy_package
 
 REPO = Path(__file__).resolve().parents[1]
 # tests/e2e/test_paired_gate.py's FAST design and the real-kernel test's own settings.
@@ -32,7 +34,7 @@ ANCHOR = "        fwd_cpu_s = time.thread_time() - fwd_cpu_start\n"
 
 def mutate(dest: Path, pct: float) -> Path:
     """``dest/servegate``: this package with each decode step ``pct`` % more CPU work; returns ``dest``."""
-    shutil.copytree(REPO / "servegate", dest / "servegate", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dest = copy_package(dest)
     scheduler = dest / "servegate" / "worker" / "scheduler.py"
     source = scheduler.read_text()
     if source.count(ANCHOR) != 1:

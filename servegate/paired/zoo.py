@@ -24,7 +24,7 @@ from pathlib import Path
 
 from servegate.errors import ConfigError
 
-__all__ = ["ZOO", "ZooRegression", "build_tree", "zoo_regression"]
+__all__ = ["ZOO", "ZooRegression", "build_tree", "copy_package", "zoo_regression"]
 
 REGRESSIONS_DIR = Path(__file__).resolve().parent / "regressions"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -77,15 +77,24 @@ def zoo_regression(name: str) -> ZooRegression:
         raise ConfigError(f"unknown zoo regression {name!r}; valid: {', '.join(ZOO)}") from None
 
 
-def build_tree(name: str, dest: Path) -> Path:
-    """This servegate package copied to ``dest/servegate`` with member ``name``'s patch applied; returns
-    ``dest``, the folder to put first on the candidate worker's ``PYTHONPATH``. An existing ``dest`` is
-    replaced. ``ConfigError`` when the patch no longer applies to this source (it says to update it)."""
-    member = zoo_regression(name)
+def copy_package(dest: Path) -> Path:
+    """This servegate package copied to ``dest/servegate`` (no bytecode caches), ready to be changed into
+    another build; returns ``dest`` (resolved), the folder to put first on a worker's ``PYTHONPATH``. An
+    existing ``dest`` is replaced."""
     dest = Path(dest).resolve()
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(PACKAGE_DIR, dest / "servegate", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def build_tree(name: str, dest: Path) -> Path:
+    """This servegate package copied to ``dest/servegate`` (:func:`copy_package`) with member ``name``'s
+    patch applied; returns ``dest``, the folder to put first on the candidate worker's ``PYTHONPATH``. An
+    existing ``dest`` is replaced. ``ConfigError`` when the patch no longer applies to this source (it says
+    to update it)."""
+    member = zoo_regression(name)
+    dest = copy_package(dest)
     # git apply in a folder that is inside a repository (a run folder in a checkout) would take the
     # patch's paths as relative to that repository's root: keep it from looking above dest.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dest)}
