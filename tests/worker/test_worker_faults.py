@@ -59,8 +59,8 @@ def test_decode_slowdown_keeps_occupancy_high(start_worker) -> None:
                           env={"SERVEGATE_FAULT_DECODE_SLOWDOWN_PCT": "2000"})
     info = requests.get(worker.url + "/get_server_info", timeout=10).json()
     assert info["faults"] == {"decode_slowdown_pct": 2000.0}
-    finite = _occupancy_during(worker.url, 12)
-    assert finite and max(finite) > 50
+    finite = _occupancy_during(worker.url, 48)  # 12 windows: seen by the scrape on a busy machine too
+    assert finite and max(finite) > 50, finite
 
 
 def _cpu_seconds_of(worker, body: dict) -> tuple[float, float]:
@@ -89,8 +89,10 @@ def test_decode_compute_burns_the_cpu_where_the_slowdown_sleeps(start_worker) ->
             f"sleep: {cpu_sleeping:.2f} in {wall_sleeping:.2f} s")
     assert cpu_computing > 3 * cpu_sleeping, seen  # measured here: 3.83 CPU s in 3.83 s against 0.26 in 4.72 s
     assert cpu_computing > 0.4 * wall_computing, seen
-    finite = _occupancy_during(computing.url, 12)
-    assert finite and max(finite) > 50
+    # 48 steps make 12 windows (~4 s): a scrape every 20 ms sees some even when the machine is busy (with 12
+    # steps, 2 windows in under a second, a busy CI lane once saw none).
+    finite = _occupancy_during(computing.url, 48)
+    assert finite and max(finite) > 50, finite
 
 
 def test_burn_cpu_for_counts_this_threads_cpu_time_not_the_turns_of_a_neighbour_on_its_core() -> None:
