@@ -95,9 +95,14 @@ def parse_server_info(doc: dict[str, Any]) -> ServerCapacity:
     return ServerCapacity(token_capacity=token_capacity, max_running_requests=max_running, raw=doc)
 
 
+SERVER_INFO_TIMEOUT_S = 30.0
+"""The whole-request limit on a server-info answer: a healthy server answers in milliseconds."""
+
+
 def fetch_sglang_server_info(session: requests.Session, base_url: str,
-                             timeout_s: float = 30.0) -> dict[str, Any] | None:
+                             timeout_s: float | None = None) -> dict[str, Any] | None:
     """The server-info document from ``/server_info`` or ``/get_server_info``; None when both are 404."""
+    timeout_s = SERVER_INFO_TIMEOUT_S if timeout_s is None else timeout_s
     for path in SERVER_INFO_PATHS:
         url = join_url(base_url, path)
         response = request_within(session, "GET", url, limit_s=timeout_s, what=f"server info (GET {url})",
