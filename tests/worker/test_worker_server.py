@@ -317,7 +317,8 @@ KEY = "sékrit-ключ-0123"  # non-ASCII on purpose: the header arrives as lat
 def test_api_key_by_environment_stays_off_the_command_line(start_worker) -> None:
     import psutil
 
-    worker = start_worker([], env={"SERVEGATE_API_KEY": KEY})
+    # exec_start: the command line `ps` shows is the subject (a fork's would be its fork server's)
+    worker = start_worker([], env={"SERVEGATE_API_KEY": KEY}, exec_start=True)
     body = {"text": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 2}}
     bearer = f"Bearer {KEY}".encode()
     assert generate(worker.url, body).status_code == 401

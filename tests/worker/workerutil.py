@@ -1,8 +1,10 @@
 """Helpers for the worker tests: real worker processes, SSE and metrics parsing.
 
-Each worker is ``python -m servegate worker ...`` on a free 127.0.0.1 port with the
-tiny random-weight model (float32, so batched and solo greedy decoding agree exactly);
-teardown ends the whole process tree.
+Each worker is ``servegate worker ...`` on a free 127.0.0.1 port with the tiny random-weight model
+(float32, so batched and solo greedy decoding agree exactly), forked from the lane's fork server
+(servegate/worker/forkserver.py: torch and transformers imported once) or, where the test's subject is
+the process's own start (its command line), started as ``python -m servegate worker``; teardown ends
+the whole process tree.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import requests
 
 from servegate.proctree import terminate_tree
+from servegate.worker.forkserver import ForkServer
 
 READY_TIMEOUT_S = 120.0
 
@@ -30,16 +33,20 @@ def free_port() -> int:
 class WorkerProcess:
     """One worker subprocess; ``url`` is its base URL."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None, log_path: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None, log_path: Path,
+                 fork_server: ForkServer | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "servegate", "worker", "--host", "127.0.0.1", "--port", str(self.port),
-                    *args]
+        worker_args = ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.cmd = [sys.executable, "-m", "servegate", "worker", *worker_args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        if fork_server is not None:
+            self.proc = fork_server.spawn(worker_args, env=full_env, log_path=log_path)
+        else:
+            self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                         start_new_session=True)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
