@@ -101,8 +101,14 @@ class ForkServer:
     """The owner's side: start the parent, fork workers from it, stop it."""
 
     def __init__(self, folder: Path | None = None, env: dict[str, str] | None = None) -> None:
+        """``folder``: where the server's own log goes (a new temporary folder when None)."""
         self._folder = Path(tempfile.mkdtemp(prefix="servegate-forkserver-", dir=folder))
-        self.socket_path = self._folder / "socket"
+        # A Unix socket's path has ~100 bytes (sun_path): a short folder of its own, whatever `folder` is.
+        self._socket_folder = Path(tempfile.mkdtemp(prefix="sgfork-"))
+        self.socket_path = self._socket_folder / "socket"
+        if len(str(self.socket_path)) > 100:
+            raise RuntimeError(f"the temporary folder's path is too long for a Unix socket ({self.socket_path}); "
+                               f"set TMPDIR to a shorter folder")
         read_end, self._owner_fd = os.pipe()
         self._log = (self._folder / "forkserver.log").open("wb")
         self.process = subprocess.Popen(
@@ -143,6 +149,8 @@ class ForkServer:
         self._log.close()
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
+        with contextlib.suppress(OSError):
+            self._socket_folder.rmdir()
 
 
 # ---------------------------------------------------------------------------------------- the parent
@@ -275,6 +283,9 @@ def serve(socket_path: Path, owner_fd: int) -> int:
     finally:
         _end_children(children)
         listener.close()
+        with contextlib.suppress(OSError):  # the owner may be gone: the socket's folder is ours to remove
+            socket_path.unlink()
+            socket_path.parent.rmdir()
 
 
 def main(argv: list[str] | None = None) -> int:
