@@ -11,7 +11,7 @@ from workerutil import generate, metric_value
 
 pytestmark = pytest.mark.timeout(180)
 
-# 25 ms per decode step: a 120-token request keeps the worker busy for ~3 s.
+# 25 ms per decode step: a 48-token request keeps the worker busy for ~1.2 s (a flush answers in milliseconds).
 SLOW = ["--enable-metrics", "--fault-decode-delay-ms", "25", "--max-total-tokens", "4096"]
 
 
@@ -20,7 +20,7 @@ def url(start_worker) -> str:
     return start_worker(SLOW).url
 
 
-def _busy(url: str, max_new_tokens: int = 120) -> threading.Thread:
+def _busy(url: str, max_new_tokens: int = 48) -> threading.Thread:
     """Start one long request in the background and wait until it is running."""
     body = {"text": "keep busy", "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
     thread = threading.Thread(target=generate, args=(url, body), kwargs={"timeout": 120})
@@ -59,7 +59,7 @@ def test_busy_then_idle_within_timeout_answers_200(url: str) -> None:
 
 
 def test_busy_past_timeout_answers_400(url: str) -> None:
-    thread = _busy(url)
+    thread = _busy(url, max_new_tokens=80)  # busy ~2 s: well past the flush's 0.5 s
     start = time.monotonic()
     resp = requests.post(url + "/flush_cache?timeout=0.5", timeout=30)
     assert resp.status_code == 400
