@@ -1,7 +1,8 @@
-"""A zoo member's solo effect on both batch shapes side by side: one prompt admitted per decode step (a
-ragged batch, as requests reach a serving worker: what servegate.paired.solo measures) and the block's
-prompts admitted together (an aligned, mask-free decode batch). Both builds in one process, decode steps
-alternated, pinned to CPU 0.
+"""A zoo member's solo effect on each named batch shape side by side (servegate.paired.solo.NAMED_ARRIVALS):
+``served``, the first prompt alone and the rest one decode step later (what the gate's workers do with a
+paired block, and what servegate.paired.solo measures by default); ``ragged``, one prompt admitted per
+decode step; ``aligned``, the block's prompts admitted together (a mask-free decode batch). Both builds in
+one process, decode steps alternated, pinned to CPU 0.
 
 Why it exists (docs/paired.md, "Real regressions"): attention-bf16 read +22-25 % aligned and x0.974 ragged,
 and the paired gate read it x0.99.
@@ -15,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-from servegate.paired.solo import ARRIVALS, measure_solo
+from servegate.paired.solo import NAMED_ARRIVALS, measure_solo
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     os.sched_setaffinity(0, {0})
-    for shape in ARRIVALS:
+    for shape in NAMED_ARRIVALS:
         effect = measure_solo(args.tree, rounds=args.rounds, arrivals=shape)
         print(f"{shape:<8} candidate/baseline decode step x{effect.ratio:.3f} [{effect.ci_low:.3f}, "
               f"{effect.ci_high:.3f}] ({effect.rounds} rounds; {effect.baseline_step_ms:.2f} -> "

@@ -23,7 +23,7 @@ from servegate import jsonio
 from servegate.config import GateConfig
 from servegate.errors import ConfigError
 from servegate.flows.gate import regression_gate
-from servegate.paired.solo import ARRIVALS, run_solo
+from servegate.paired.solo import DEFAULT_ARRIVALS, run_solo
 from servegate.paired.zoo import build_tree
 from servegate.runstate import resolve_config
 from servegate.results import RunFolder
@@ -59,19 +59,23 @@ def _solo_effects(out: Path, config: GateConfig, plan: CalibrationPlan, trees: d
     """Each zoo regression's solo effect (:mod:`servegate.paired.solo`: its decode steps alternated with the
     baseline's in one process, on the paired workload, pinned where the candidate worker runs): what the
     gate's reading of it is held against. Measured before its first decision, kept in ``solo.json``; one
-    measured with the block's prompts admitted together (before the solo harness replayed the arrivals, or
-    without its ``arrivals``) is measured again."""
+    measured on another batch shape than the harness's default (``arrivals``: the worker's own admission of
+    a block since 2026-12-07; ragged or aligned before) is measured again, its old figure kept under
+    ``earlier``."""
     path = out / SOLO_FILE
     solo: dict[str, Any] = jsonio.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     p = config.paired
     for name, tree in trees.items():
-        if solo.get(name, {}).get("arrivals") == ARRIVALS[0]:
+        earlier = solo.get(name, {})
+        if earlier.get("arrivals") == DEFAULT_ARRIVALS:
             continue
         logger.info("solo effect of %s: its decode steps alternated with the baseline's in one process", name)
         solo[name] = run_solo(tree, model=config.worker.model, requests_per_block=p.requests_per_block,
                               input_len=p.input_len, output_len=p.output_len,
                               cpu=config.worker.cpus[0] if config.worker.cpus else None,
                               log_path=out / ZOO_DIR / f"{name}-solo.log")
+        if earlier:
+            solo[name]["earlier"] = {k: v for k, v in earlier.items() if k not in ("earlier", "per_process")}
         logger.info("solo effect of %s: x%.4f [%.4f, %.4f]", name, solo[name]["ratio"], solo[name]["ci_low"],
                     solo[name]["ci_high"])
         path.write_text(jsonio.dumps(solo, indent=True), encoding="utf-8")

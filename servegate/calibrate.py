@@ -243,9 +243,20 @@ recorded): a resumed calibration may differ in them."""
 _GROWABLE_PLAN_FIELDS = ("aa_runs", "slowdowns_pct", "runs_per_slowdown", "regressions")
 
 
+def _machine() -> dict[str, Any]:
+    """What a calibration's figures belong to besides the config: the CPU (its model and count). The same
+    change costs another share of a decode step on another CPU (linears-unpacked: +10.6 % solo on an AMD
+    EPYC, +3-5 % on an Intel Xeon with AMX), and its noise differs."""
+    from servegate.provenance import collect_host_info
+
+    host = collect_host_info()
+    return {"cpu_model": host.cpu_model, "cpu_count_logical": host.cpu_count_logical}
+
+
 def _setup(config: GateConfig, plan: CalibrationPlan) -> dict[str, Any]:
     dump = config.model_dump(mode="json", by_alias=True)  # secrets redacted (servegate.config)
-    setup = {"config": {k: v for k, v in dump.items() if k not in _UNMEASURED_FIELDS}, "plan": asdict(plan)}
+    setup = {"config": {k: v for k, v in dump.items() if k not in _UNMEASURED_FIELDS}, "plan": asdict(plan),
+             "machine": _machine()}
     return jsonio.loads(jsonio.dumps(setup))  # as the file reads back (inf -> null): compared with it
 
 
@@ -266,8 +277,9 @@ def previous_runs(out: Path, config: GateConfig, plan: CalibrationPlan, *, resum
 
     Refuses (:class:`ConfigError`, before any run) to write a new calibration over an existing
     one, to resume a folder that holds none, and to resume with another gate config or plan than
-    the calibration was started with: only the number of decisions may grow (more A/A runs, more
-    runs per slowdown, another slowdown), so that the figures stay those of one calibration."""
+    the calibration was started with, or on another machine (CPU model or count): only the number of
+    decisions may grow (more A/A runs, more runs per slowdown, another slowdown), so that the figures stay
+    those of one calibration on one machine."""
     setup_file, runs_file = out / SETUP_FILE, out / RUNS_FILE
     if not resume:
         if setup_file.exists() or runs_file.exists():
@@ -295,6 +307,11 @@ def previous_runs(out: Path, config: GateConfig, plan: CalibrationPlan, *, resum
                           f"{'; '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Resume it with the same "
                           f"profile, --set options and --paired as it was started with (only --aa-runs, --slowdowns "
                           f"and --runs-per-slowdown may grow), or start a new one in another --output-dir")
+    if saved.get("machine") not in (None, now["machine"]):  # folders from before 2026-12-07 did not record it
+        raise ConfigError(f"the calibration in {out} was made on another machine "
+                          f"({'; '.join(_differences(saved['machine'], now['machine']))}); its figures (noise, what "
+                          f"a regression costs) are that machine's. Resume it there, or start a new one on this "
+                          f"machine in another --output-dir")
     runs = [CalibrationRun.from_record(r, plan.mode) for r in records]
     stray = sorted({r.arm.label for r in runs if r.arm not in set(plan_arms(plan))})
     if stray:

@@ -9,11 +9,14 @@ thread: both batches of the paired workload (``requests_per_block`` prompts of `
 ``output_len`` greedy tokens each, ``ignore_eos``) are in flight together, and the two schedulers take
 turns, one decode step each (prefill, forward, sampling, the scheduler's per-token Python, its metrics).
 
-The prompts arrive as they reach a serving worker: one admitted per decode step (``arrivals="ragged"``,
-the default), so the decode batch holds sequences of different lengths and takes the attention mask's
-path, as the paired gate's workers do. Admitted together (``"aligned"``) the batch is mask-free: a change
-to the attention kernel showed +25 % there and x0.975 ragged, where the gate read x0.99
-(``benchmarks/solo_arrivals.py``; docs/paired.md).
+The prompts arrive as they reach the gate's workers: a paired block sends them all at once, and the
+worker's scheduler wakes on the first, prefills it alone, runs a decode step and then admits the other
+three together (``arrivals="served"``, the default: what ``benchmarks/duet_admissions.py`` read off 20 of 20
+blocks of real duets). The batch shape decides what a change costs: admitted together (``"aligned"``) the
+decode batch is mask-free, and a change to the attention kernel read +25 % there and x0.975 with one
+prompt per turn (``"ragged"``), where the gate read x0.99; a fixed cost per step is a larger share of the
+aligned step (32-34 ms) than of the ragged one (43-45 ms). ``benchmarks/solo_arrivals.py`` prints a member
+on each shape side by side (docs/paired.md).
 Each step runs alone on the core, so the change is measured at its solo size; and the two sides' steps
 are tens of milliseconds apart, so the machine's swings in speed, which make blocks measured one after
 the other differ by 12-14 % here (docs/paired.md), fall on both alike.
@@ -46,7 +49,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["SoloEffect", "measure_solo", "run_solo", "main"]
+__all__ = ["SoloEffect", "NAMED_ARRIVALS", "DEFAULT_ARRIVALS", "admission_plan", "measure_solo", "run_solo", "main"]
 
 PACKAGE = "servegate"
 
@@ -158,22 +161,54 @@ def _t_interval(samples: list[float], confidence: float) -> tuple[float, float, 
     return mean, mean - half, mean + half
 
 
-ARRIVALS = ("ragged", "aligned")
-"""How the block's prompts reach the scheduler; the first is the default, what a serving worker sees."""
+NAMED_ARRIVALS = {
+    "served": "the first prompt alone, the rest one decode step later, as a paired block reaches the worker",
+    "ragged": "one prompt admitted per scheduler turn",
+    "aligned": "the block's prompts admitted together",
+}
+"""Admission patterns by name; any other is written as its counts per scheduler turn (``"1,3"``).
+
+``served`` is what the embedded worker does with a paired block (all its requests sent at once): its
+scheduler wakes on the first request and prefills it alone while the others arrive, then admits them
+together. Read off real duets with ``benchmarks/duet_admissions.py``: ``1,3`` in 20 of 20 blocks of a
+smoke-ab A/A (10 rounds, both sides; 2026-12-07)."""
+DEFAULT_ARRIVALS = "served"
+
+
+def admission_plan(arrivals: str, requests: int) -> list[int]:
+    """How many of the block's ``requests`` prompts each scheduler turn admits (a turn: its arrivals prefilled
+    together, then one decode step of the batch), from ``arrivals``: a name of :data:`NAMED_ARRIVALS`
+    (``"served"``: one, then the rest; ``"ragged"``: one per turn; ``"aligned"``: all in the first turn) or
+    the counts per turn, comma-separated, as
+    ``benchmarks/duet_admissions.py`` reads them off a real worker (``"1,3"``: one, a decode step, three;
+    ``"1,0,3"``: two decode steps between). ``ValueError`` names what is wrong."""
+    if arrivals == "served":
+        return [1, requests - 1] if requests > 1 else [1]
+    if arrivals == "ragged":
+        return [1] * requests
+    if arrivals == "aligned":
+        return [requests]
+    try:
+        plan = [int(part) for part in arrivals.split(",")]
+    except ValueError:
+        plan = []
+    if not plan or any(n < 0 for n in plan) or sum(plan) != requests or plan[0] == 0:
+        raise ValueError(f"arrivals must be {' or '.join(NAMED_ARRIVALS)} or the prompts admitted per scheduler "
+                         f"turn, comma-separated, starting above 0 and adding up to the block's {requests} "
+                         f"requests (e.g. 1,{requests - 1}), got {arrivals!r}")
+    return plan
 
 
 def measure_solo(candidate_tree: Path, *, baseline_tree: Path | None = None, model: str = "smollm2-135m",
                  rounds: int = 20, requests_per_block: int = 4, input_len: int = 64, output_len: int = 64,
                  seed: int = 0, confidence: float = 0.95, candidate_first: bool = False,
-                 arrivals: str = "ragged") -> SoloEffect:
+                 arrivals: str = DEFAULT_ARRIVALS) -> SoloEffect:
     """Alternate the two builds' decode steps over ``rounds`` rounds of the paired workload (fresh random
     prompts per round, the same for both sides; which side steps first alternates by round).
     ``candidate_first``: load the candidate's build and model before the baseline's (where each model's
     memory lands is an offset of the process, :func:`run_solo` averages it over processes).
-    ``arrivals``: ``"ragged"``, one prompt admitted per decode step (as a serving worker sees them), or
-    ``"aligned"``, the block's prompts admitted together."""
-    if arrivals not in ARRIVALS:
-        raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
+    ``arrivals``: which prompts each scheduler turn admits (:func:`admission_plan`)."""
+    plan = admission_plan(arrivals, requests_per_block)
     import torch
 
     from servegate.models import ensure_model
@@ -195,12 +230,14 @@ def measure_solo(candidate_tree: Path, *, baseline_tree: Path | None = None, mod
             order = sides if r % 2 == 0 else sides[::-1]
             for side in order:
                 side.step_s.clear()
-                if arrivals == "aligned":
-                    side.submit(prompts, output_len)
-            for prompt in prompts if arrivals == "ragged" else []:
-                for side in order:  # one arrival, then one decode step of what is in flight
-                    side.submit([prompt], output_len)
-                    side.step()
+            queued = list(prompts)
+            for count in plan:  # one scheduler turn: the turn's arrivals prefilled, then one decode step
+                turn, queued = queued[:count], queued[count:]
+                for side in order:
+                    if turn:
+                        side.submit(turn, output_len)
+                    if side.running:
+                        side.step()
             while any(side.running for side in order):
                 for side in order:
                     if side.running:
@@ -225,7 +262,7 @@ SOLO_TIMEOUT_S = 1800.0
 
 def run_solo(candidate_tree: Path, *, model: str, requests_per_block: int, input_len: int, output_len: int,
              rounds: int = 8, processes: int = 4, cpu: int | None = None, log_path: Path | None = None,
-             confidence: float = 0.95, arrivals: str = "ragged") -> dict[str, Any]:
+             confidence: float = 0.95, arrivals: str = DEFAULT_ARRIVALS) -> dict[str, Any]:
     """The solo effect over ``processes`` fresh processes of :func:`measure_solo`, ``rounds`` rounds each,
     alternating which build loads first: the ratio is the geometric mean of the processes' ratios and its
     interval a t interval over them. Two models in one process differ by about 1 % by where their memory
@@ -249,7 +286,7 @@ def run_solo(candidate_tree: Path, *, model: str, requests_per_block: int, input
 
 def _solo_process(candidate_tree: Path, *, model: str, requests_per_block: int, input_len: int, output_len: int,
                   rounds: int, cpu: int | None, log_path: Path | None, candidate_first: bool,
-                  arrivals: str = "ragged", timeout_s: float = SOLO_TIMEOUT_S) -> dict[str, Any]:
+                  arrivals: str = DEFAULT_ARRIVALS, timeout_s: float = SOLO_TIMEOUT_S) -> dict[str, Any]:
     """:func:`measure_solo` in a fresh process (``python -P``: this package as the baseline, whatever the
     working directory holds), its whole tree ended on every exit path; the :class:`SoloEffect` as a dict.
     Its stderr goes to ``log_path``; ``InfraError`` when it fails or outlives ``timeout_s``."""
@@ -301,10 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
     parser.add_argument("--candidate-first", action="store_true", help="load the candidate's build first")
-    parser.add_argument("--arrivals", choices=ARRIVALS, default="ragged",
-                        help="one prompt admitted per decode step (ragged, as served) or all together (aligned)")
+    parser.add_argument("--arrivals", default=DEFAULT_ARRIVALS,
+                        help="the prompts admitted per scheduler turn: " + ", ".join(
+                            f"{name} ({what})" for name, what in NAMED_ARRIVALS.items())
+                        + ", or the counts, comma-separated (1,3)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        admission_plan(args.arrivals, args.requests_per_block)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     effect = measure_solo(args.candidate_tree, baseline_tree=args.baseline_tree, model=args.model,

@@ -137,8 +137,10 @@ def run(args: argparse.Namespace) -> int:
     from servegate.worker.http_plumbing import WorkerState
     from servegate.worker.server import build_app
 
+    # force: the servegate command's own console handler (warnings only unless -v) would otherwise make
+    # this a no-op, and --log-level would not reach the worker's loggers.
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     args.api_key = _api_key(args)
     faults = faults_from_args(args)
     if faults.active():

@@ -156,6 +156,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._num_active = 0  # submitted and not finished (waiting, prefilling or running)
+        self.decode_steps = 0  # decode steps run since start: where in the step sequence a prefill fell
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.prefix_cache = PrefixCache()
@@ -300,6 +301,12 @@ class Scheduler:
                         return
                     profile_commands = self.profiler.take() if self.profiler is not None else []
                     admitted = self._admit_locked()
+                    if admitted and log.isEnabledFor(logging.DEBUG):
+                        # SGLang's line, at debug here: which requests join the batch at which step is the
+                        # batch shape a measurement of this worker has to reproduce (servegate.paired.solo).
+                        log.debug("Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, #queue-req: %d, "
+                                  "#decode-steps: %d", len(admitted), sum(len(r.input_ids) for r in admitted),
+                                  len(self.batch.rows), len(self._waiting), self.decode_steps)
                     self._publish_state_locked()
                 if profile_commands:
                     # Between two steps, in this thread: the one that runs the model's operators.
@@ -474,6 +481,7 @@ class Scheduler:
         return self._can_reuse_prefix_cache(req) and self.prefix_cache.lookup(req.input_ids)[0] >= _SHARED_PREFIX_MIN
 
     def _decode_step(self) -> None:
+        self.decode_steps += 1
         step_start = now()
         rows = self.batch.rows
         fwd_cpu_start = time.thread_time()

@@ -217,7 +217,7 @@ def test_paired_calibration_runs_a_zoo_regression_beside_its_solo_effect(tmp_pat
     assert config["worker"]["env"]["PYTHONPATH"] == str(tree) and "PYTHONPATH" not in config["baseline"]["env"]
     solo = json.loads((out / "solo.json").read_text())["sampler-one-path"]
     assert solo["processes"] == 4 and solo["ci_low"] <= solo["ratio"] <= solo["ci_high"]
-    assert solo["arrivals"] == "ragged"  # one prompt per decode step, as the gate's workers are fed
+    assert solo["arrivals"] == "served"  # one prompt, then the rest, as the gate's workers admit a block
     assert solo["baseline_build"] != solo["candidate_build"]
     arms = {f["arm"]: f for f in doc["figures"]}
     assert set(arms) == {"A/A", "sampler-one-path"}

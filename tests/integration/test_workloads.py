@@ -49,6 +49,8 @@ def _cfg(**kw) -> ServingConfig:
     return ServingConfig(**{**base, **kw})
 
 
+@pytest.mark.exclusive  # the client's dispatch times fit the law only while the client has a core: a busy
+# lane delayed them (KS p 3e-5 in a fresh-clone CI run); the gate flags such a run, this test asserts the fit
 def test_gamma_arrivals_fit_their_gamma_law(worker: WorkerHandle) -> None:
     # Seed 3's 39 planned gaps (rate 8/s, burstiness 0.4): KS p = 0.73 against their gamma law and
     # 3e-4 against Exponential(8). A client that kept the schedule passes the generalised fit test,

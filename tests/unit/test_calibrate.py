@@ -387,6 +387,25 @@ def test_resume_refuses_what_would_mix_two_calibrations_before_running_anything(
         previous_runs(out, config, plan, resume=True)
 
 
+def test_resume_refuses_a_calibration_made_on_another_cpu(tmp_path: Path) -> None:
+    # The zoo calibration of 2026-12-05/06 was resumed on an Intel Xeon after 18 decisions on an AMD EPYC,
+    # where the same patch costs another share of a step: its figures mixed two machines.
+    config = load_config(profile="smoke-ab")
+    plan = CalibrationPlan(aa_runs=2, slowdowns_pct=(3.0,), runs_per_slowdown=2, mode="paired")
+    out = tmp_path / "cal"
+    _stopped_calibration(out, config, plan)
+    setup = json.loads((out / "calibration-setup.json").read_text())
+    here = setup["machine"]
+    assert here["cpu_model"] and here["cpu_count_logical"] >= 1  # this machine, recorded before the first run
+    setup["machine"] = {**here, "cpu_model": "AMD EPYC"}
+    (out / "calibration-setup.json").write_text(json.dumps(setup))
+    with pytest.raises(ConfigError, match=r"made on another machine \(cpu_model \('AMD EPYC' then, .* now\)\)"):
+        previous_runs(out, config, plan, resume=True)
+    del setup["machine"]  # a folder from before the machine was recorded: nothing to hold it against
+    (out / "calibration-setup.json").write_text(json.dumps(setup))
+    assert len(previous_runs(out, config, plan, resume=True)) == 2
+
+
 # ---- real code regressions (the zoo) ---------------------------------------------------------------
 def test_zoo_regressions_are_arms_of_a_paired_plan_scheduled_and_resumed_like_slowdowns() -> None:
     plan = CalibrationPlan(aa_runs=2, slowdowns_pct=(3.0,), runs_per_slowdown=2, mode="paired",
