@@ -18,7 +18,8 @@ from prefect import flow
 
 from servegate.calibrate import (RUNS_FILE, Arm, CalibrationPlan, CalibrationRun, analyse, analyse_paired,
                                  figures_records, format_calibration, measurement_seconds, previous_runs,
-                                 remaining_schedule, run_config, summarise, summarise_paired, write_setup)
+                                 remaining_schedule, run_config, summarise, summarise_paired, worker_solo_config,
+                                 worker_solo_effect, write_setup)
 from servegate import jsonio
 from servegate.config import GateConfig
 from servegate.errors import ConfigError
@@ -70,16 +71,47 @@ def _solo_effects(out: Path, config: GateConfig, plan: CalibrationPlan, trees: d
         if earlier.get("arrivals") == DEFAULT_ARRIVALS:
             continue
         logger.info("solo effect of %s: its decode steps alternated with the baseline's in one process", name)
+        worker = earlier.get("worker")
         solo[name] = run_solo(tree, model=config.worker.model, requests_per_block=p.requests_per_block,
                               input_len=p.input_len, output_len=p.output_len,
                               cpu=config.worker.cpus[0] if config.worker.cpus else None,
                               log_path=out / ZOO_DIR / f"{name}-solo.log")
         if earlier:
-            solo[name]["earlier"] = {k: v for k, v in earlier.items() if k not in ("earlier", "per_process")}
+            solo[name]["earlier"] = {k: v for k, v in earlier.items() if k not in ("earlier", "per_process", "worker")}
+        if worker is not None:
+            solo[name]["worker"] = worker
         logger.info("solo effect of %s: x%.4f [%.4f, %.4f]", name, solo[name]["ratio"], solo[name]["ci_low"],
                     solo[name]["ci_high"])
         path.write_text(jsonio.dumps(solo, indent=True), encoding="utf-8")
     return solo
+
+
+WORKER_SOLO_DIR = "worker-solo"
+"""The calibration folder's subfolder of the zoo members' worker-solo runs."""
+
+
+def _worker_solo_effects(out: Path, config: GateConfig, trees: dict[str, Path], solo: dict[str, Any]) -> None:
+    """Each zoo regression's solo effect in the real workers (:func:`servegate.calibrate.worker_solo_config`:
+    the baseline's and the member's worker, blocks alternated, never at the same time), under
+    ``solo[name]["worker"]``; measured once per calibration and kept in ``solo.json``. A run that broke
+    leaves it out (logged), as a broken decision is left out."""
+    path = out / SOLO_FILE
+    for name, tree in trees.items():
+        if "worker" in solo.get(name, {}):
+            continue
+        logger.info("solo effect of %s in the workers: its blocks alternated with the baseline's, one at a time", name)
+        result = regression_gate(config=worker_solo_config(config, name, tree, out / WORKER_SOLO_DIR))
+        run_dir = Path(result["run_dir"])
+        folder = RunFolder.open(run_dir)
+        if result["verdict"].get("infra_errors") or not folder.has_table("paired_rounds"):
+            logger.warning("the worker-solo run of %s broke, left out: %s", name,
+                           "; ".join(result["verdict"].get("infra_errors") or ["no paired_rounds table"])[:500])
+            continue
+        effect = worker_solo_effect(folder.read_table("paired_rounds"))
+        solo.setdefault(name, {})["worker"] = {**effect, "run_dir": str(run_dir)}
+        logger.info("solo effect of %s in the workers: x%.4f [%.4f, %.4f] over %d rounds", name, effect["ratio"],
+                    effect["ci_low"], effect["ci_high"], effect["rounds"])
+        path.write_text(jsonio.dumps(solo, indent=True), encoding="utf-8")
 
 
 @flow(name="calibrate-gate", log_prints=False, validate_parameters=True)
@@ -114,6 +146,7 @@ def calibrate_gate(config: GateConfig | None = None, profile: str | None = None,
     total = len(runs) + len(order)
     trees = {name: build_tree(name, out / ZOO_DIR / name) for name in the_plan.regressions}
     solo = _solo_effects(out, config, the_plan, trees)
+    _worker_solo_effects(out, config, trees, solo)
     for arm in order:
         index = len(runs)
         logger.info("calibration run %d/%d: %s", index + 1, total, "A (unchanged)" if arm.unchanged else arm.label)

@@ -91,7 +91,7 @@ from servegate import jsonio
 from servegate.calibration_plan import CalibrationMode, CalibrationPlan
 from servegate.compare import DEFAULT_TAIL_BOUND, compare_tables, decide_change, estimate_run_noise
 from servegate.config import GateConfig
-from servegate.errors import ConfigError, InfraError
+from servegate.errors import ConfigError, InfraError, InsufficientDataError
 from servegate.gated_metrics import GATED_METRICS, GatedMetric
 from servegate.render import percent_text
 from servegate.stages import MEASUREMENT_STAGES
@@ -379,6 +379,44 @@ def run_config(config: GateConfig, arm: Arm, output_dir: Path, mode: Calibration
     return GateConfig.model_validate(data)
 
 
+WORKER_SOLO_ROUNDS = 20
+"""Rounds of a zoo member's worker-solo effect (:func:`worker_solo_config`): ~70 s of blocks here."""
+
+
+def worker_solo_config(config: GateConfig, name: str, tree: Path, output_dir: Path,
+                       rounds: int = WORKER_SOLO_ROUNDS) -> GateConfig:
+    """The gate config that measures zoo member ``name``'s solo effect in the real workers: the paired stage
+    in interleaved mode (each block alone on the workers' CPUs, never the two at once), one pair of
+    instances for all ``rounds`` (warmed by ``paired.warmup_blocks``), every round measured, nothing
+    confirmed. What a build costs served alone, by the worker that serves it: the in-process harness
+    (:mod:`servegate.paired.solo`) steps the scheduler without the worker's process around it, and read
+    attention-eager x1.02-1.03 where this reads x1.07 (docs/paired.md)."""
+    cfg = run_config(config, Arm(regression=name), output_dir, "paired", tree)
+    data = cfg.model_dump(by_alias=True)
+    data["paired"].update({"mode": "interleaved", "rounds_per_worker": rounds, "min_rounds": rounds,
+                           "max_rounds": rounds, "min_units": 3, "confirm": False, "profile": False,
+                           "max_measure_s": max(float(data["paired"]["max_measure_s"]), 900.0)})
+    data["stage_max_s"] = max(float(data["stage_max_s"]), 1200.0)
+    return GateConfig.model_validate(data)
+
+
+def worker_solo_effect(rounds: pd.DataFrame, metric: str = "itl_median_ms",
+                       confidence: float = 0.95) -> dict[str, Any]:
+    """The candidate/baseline ratio of ``metric`` over the rounds of a :func:`worker_solo_config` run
+    (its ``paired_rounds`` table): the geometric mean of the rounds' ratios with a t interval, and each
+    side's median."""
+    rows = rounds[rounds["metric"] == metric]
+    logs = np.log(rows["b_value"].to_numpy(dtype=float) / rows["a_value"].to_numpy(dtype=float))
+    logs = logs[np.isfinite(logs)]
+    if logs.size < 3:
+        raise InsufficientDataError(f"{logs.size} rounds of {metric} in the worker-solo run (need 3)")
+    mean, sd = float(logs.mean()), float(logs.std(ddof=1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, logs.size - 1)) * sd / math.sqrt(logs.size)
+    return {"ratio": math.exp(mean), "ci_low": math.exp(mean - half), "ci_high": math.exp(mean + half),
+            "rounds": int(logs.size), "sd_log": sd, "metric": metric,
+            "baseline_median": float(rows["a_value"].median()), "candidate_median": float(rows["b_value"].median())}
+
+
 _BUILD_FIELDS = ("engine", "model", "python", "extra_args", "env", "memory_profile", "memory",
                  "speculative_num_draft_tokens", "enable_metrics")
 """What makes a worker the build it is (where it listens, its CPUs and its key do not)."""
@@ -611,6 +649,8 @@ def analyse_paired(runs: Sequence[CalibrationRun], plan: CalibrationPlan,
             low, high = _exact95(k, n)
             effect = solo.get(arm.regression, {}) if arm.regression else {}
             solo_ratio = float(effect.get("ratio", math.nan))
+            worker = effect.get("worker", {})
+            worker_ratio = float(worker.get("ratio", math.nan))
             median_ratio = _median(rows["ratio"])
             figures.append({
                 "metric": metric, "case": "", "statistic": "paired", "direction": of_metric["direction"].iloc[0],
@@ -625,10 +665,17 @@ def analyse_paired(runs: Sequence[CalibrationRun], plan: CalibrationPlan,
                 "median_ratio": median_ratio, "median_itl_ratio": _median(rows["itl_ratio"]),
                 "solo_ratio": solo_ratio, "solo_ci_low": float(effect.get("ci_low", math.nan)),
                 "solo_ci_high": float(effect.get("ci_high", math.nan)),
-                "read_of_solo": (math.log(median_ratio) / math.log(solo_ratio)
-                                 if solo_ratio > 0 and solo_ratio != 1 and median_ratio > 0 else math.nan),
+                "read_of_solo": _read_of(median_ratio, solo_ratio),
+                "worker_solo_ratio": worker_ratio, "worker_solo_ci_low": float(worker.get("ci_low", math.nan)),
+                "worker_solo_ci_high": float(worker.get("ci_high", math.nan)),
+                "read_of_worker_solo": _read_of(median_ratio, worker_ratio),
             })
     return pd.DataFrame(figures), decisions
+
+
+def _read_of(read: float, solo: float) -> float:
+    """The gate's read ratio as a share of a solo effect, in log terms (1: read at its solo size)."""
+    return math.log(read) / math.log(solo) if solo > 0 and solo != 1 and read > 0 else math.nan
 
 
 def summarise_paired(runs: Sequence[CalibrationRun], figures: pd.DataFrame, decisions: pd.DataFrame,
@@ -683,14 +730,17 @@ def _format_paired(figures: pd.DataFrame, summary: Mapping[str, Any]) -> str:
     for r in figures.itertuples(index=False):
         rate = (f"{r.regressions}/{r.decisions} = {percent_text(r.regression_rate)} "
                 f"[{percent_text(r.rate_low95)}, {percent_text(r.rate_high95)}]")
-        solo_ratio = getattr(r, "solo_ratio", math.nan)
-        solo = (f"x{solo_ratio:.4f}, read {r.read_of_solo:.2f} of it" if isinstance(solo_ratio, float)
-                and math.isfinite(solo_ratio) else "-")
+        def effect(ratio: Any, read: Any) -> str:
+            return (f"x{ratio:.4f}, read {read:.2f} of it" if isinstance(ratio, float) and math.isfinite(ratio)
+                    else "-")
+
         rows.append([r.metric, r.arm, rate, percent_text(r.false_alarm_upper95), f"{r.inconclusive}",
                      f"{r.median_rounds:g}", f"{r.median_measure_s:.0f}", f"x{r.median_ratio:.4f}",
-                     f"x{r.median_itl_ratio:.4f}", solo])
+                     f"x{r.median_itl_ratio:.4f}",
+                     effect(getattr(r, "worker_solo_ratio", math.nan), getattr(r, "read_of_worker_solo", math.nan)),
+                     effect(getattr(r, "solo_ratio", math.nan), getattr(r, "read_of_solo", math.nan))])
     headers = ["metric", "arm", "regressions (95% CI)", "false-alarm upper95", "undecided", "median rounds",
-               "median s", "ratio", "ITL ratio", "solo effect"]
+               "median s", "ratio", "ITL ratio", "solo in the worker", "solo decode step"]
     lines = [tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True), ""]
     lines.append(f"paired decisions at bound {percent_text(summary['bound'])}: {summary['aa_runs']} A/A, "
                  f"{summary['ab_runs']} with a slowdown or regression, {summary['left_out']} left out (broke); "

@@ -387,6 +387,9 @@ class OccupancyConfig(_Model):
     max_new_tokens: int = Field(2048, ge=1, description="SGLang's kit: 2048")
     scrape_interval_s: Seconds = 0.5
     min_samples: int = Field(3, ge=1)
+    max_requests: int = Field(3, ge=1, description=(
+        "send the long request again, up to this many in all, while fewer than min_samples scrapes read a "
+        "value (a faster machine finishes max_new_tokens sooner)"))
     prompt: str = "Write a long story about a lighthouse keeper."
     request_timeout_s: Seconds = 900.0
 
@@ -559,6 +562,9 @@ class PairedConfig(_Model):
     max_measure_s: Seconds = Field(600.0, description=(
         "measurement budget: no round starts that is expected (median of the last 4 rounds, restart included) "
         "to end past it; stage_max_s is the hard limit"))
+    warmup_blocks: int = Field(1, ge=0, description=(
+        "blocks of the measured workload each new worker instance serves, unmeasured, after [warmup] and "
+        "before its first round: a fresh worker's first block is not its steady state (docs/paired.md)"))
     rounds_per_worker: int = Field(2, ge=1, description=(
         "restart both workers every this many rounds (one AB + BA pair per instance at 2); the interval is "
         "then over instance pairs, whose offsets (memory layout, allocator, threads) it samples"))

@@ -76,7 +76,7 @@ their ratio."""
 SAMPLE_COLUMNS: Final = ["t_s", "fwd_occupancy", "spec_accept_length", "token_usage", "num_running_reqs",
                          "num_queue_reqs", "kv_cache_usage"]
 OCCUPANCY_SUMMARY_COLUMNS: Final = [
-    "n_samples", "n_scrapes", "fwd_occupancy_applicable", "fwd_occupancy_median", "fwd_occupancy_min",
+    "n_samples", "n_scrapes", "n_requests", "fwd_occupancy_applicable", "fwd_occupancy_median", "fwd_occupancy_min",
     "spec_accept_length_median", "token_usage_max", "num_running_reqs_max", "num_queue_reqs_max",
     "kv_cache_usage_max", "speculative_decoding",
 ]

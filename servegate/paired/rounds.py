@@ -65,6 +65,9 @@ logger = logging.getLogger("servegate.paired")
 FILLER_SEED = 10**9
 """Where the seeds of the duet's keep-busy load start (:meth:`PairedMeasurement._duet_block`)."""
 
+WARMUP_SEED = 2 * 10**9
+"""Where the seeds of the warm-up blocks start (:meth:`PairedMeasurement._warmup_blocks`)."""
+
 SIDES = ("baseline", "candidate")
 """A is the baseline, B the candidate; ratios are B/A."""
 
@@ -185,12 +188,13 @@ class PairedMeasurement:
         except WorkerLaunchError as exc:
             raise type(exc)(did_not_start(side.name) + str(exc)) from exc
         launched = handle.startup_s if handle.startup_s is not None else time.perf_counter() - handle.started
+        if side.tokenizer is None and protocol_for(engine, self.config.serving.protocol).needs_text_prompts:
+            side.tokenizer = load_prompt_tokenizer(side.spec.model)
         t0 = time.perf_counter()
         if self.config.warmup.enabled:
             run_warmup(handle.base_url, engine, self.config.warmup, api_key=side.spec.api_key_value())
+        self._warmup_blocks(side, engine)
         warmed = time.perf_counter() - t0
-        if side.tokenizer is None and protocol_for(engine, self.config.serving.protocol).needs_text_prompts:
-            side.tokenizer = load_prompt_tokenizer(side.spec.model)
         with make_session(side.spec.api_key_value()) as session:
             build = engine.build_identity(session, handle.base_url)
         return {
@@ -200,6 +204,29 @@ class PairedMeasurement:
             "extra_args": json.dumps(side.spec.extra_args),
             "cpus": json.dumps(side.spec.cpus), "pid": handle.pid, "build": build, "launch_s": round(launched, 3),
             "warmup_s": round(warmed, 3)}
+
+    def _warmup_blocks(self, side: _Side, engine: Any) -> None:
+        """``paired.warmup_blocks`` blocks of the measured workload on ``side``'s new instance, nothing measured.
+
+        A fresh worker's first block of the paired workload is not yet its steady state: the attention-eager
+        zoo member read its first block x1.14-1.33 against the baseline and every later one x1.04-1.11 (a duet
+        and interleaved blocks, 20 rounds on one pair of instances; docs/paired.md), its process still growing
+        the memory its larger per-step temporaries take. With a restart every round, the gate read that
+        first block only. Prompts of a seed no measured block uses; a failed request is a StageError."""
+        from servegate.bench.serving import run_serving
+
+        assert side.handle is not None
+        if self.p.warmup_blocks and self.p.client_cpus:
+            os.sched_setaffinity(0, set(self.p.client_cpus))  # this thread sends them: the load generator's CPUs
+        for k in range(self.p.warmup_blocks):
+            load = block_config(self.config, 0).model_copy(update={"seed": WARMUP_SEED + self.instance * 100 + k})
+            out = run_serving(side.handle.base_url, engine, load, api_key=side.spec.api_key_value(),
+                              tokenizer=side.tokenizer)
+            failed = int(out.summary.iloc[0]["failed"])
+            if failed:
+                raise StageError(f"{failed} of {self.p.requests_per_block} requests of the {side.name} worker's "
+                                 f"warm-up block failed (first: {_first_failure(out.requests)}); it cannot be "
+                                 f"measured (the worker's side: {side.log})")
 
     def _stop_all(self) -> None:
         for side in self.sides.values():

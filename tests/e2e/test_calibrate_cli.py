@@ -219,11 +219,22 @@ def test_paired_calibration_runs_a_zoo_regression_beside_its_solo_effect(tmp_pat
     assert solo["processes"] == 4 and solo["ci_low"] <= solo["ratio"] <= solo["ci_high"]
     assert solo["arrivals"] == "served"  # one prompt, then the rest, as the gate's workers admit a block
     assert solo["baseline_build"] != solo["candidate_build"]
+    # The solo effect in the real workers: the two builds' workers, blocks alternated one at a time, one pair.
+    worker = solo["worker"]
+    assert worker["rounds"] == 20 and worker["ci_low"] <= worker["ratio"] <= worker["ci_high"]
+    solo_run = Path(worker["run_dir"])
+    assert solo_run.parent == out / "worker-solo"
+    solo_rounds = pd.read_parquet(solo_run / "paired_rounds.parquet").query("metric == 'itl_median_ms'")
+    assert len(solo_rounds) == 20 and set(solo_rounds["instance"]) == {0} and set(solo_rounds["order"]) == {"AB", "BA"}
+    assert pd.read_parquet(solo_run / "paired.parquet")["mode"].iloc[0] == "interleaved"
+    solo_config = json.loads((solo_run / "config.json").read_text())
+    assert solo_config["worker"]["env"]["PYTHONPATH"] == str(tree)
     arms = {f["arm"]: f for f in doc["figures"]}
     assert set(arms) == {"A/A", "sampler-one-path"}
     zoo = arms["sampler-one-path"]
     assert zoo["decisions"] == 1 and zoo["solo_ratio"] == pytest.approx(solo["ratio"])
     assert zoo["read_of_solo"] == pytest.approx(math.log(zoo["median_ratio"]) / math.log(solo["ratio"]))
+    assert zoo["worker_solo_ratio"] == pytest.approx(worker["ratio"])
     decisions = pd.read_csv(out / "decisions.csv", keep_default_na=False)
     assert set(decisions["regression"]) == {"", "sampler-one-path"}
     assert not worker_processes(tmp_path)

@@ -182,19 +182,41 @@ def test_a_worker_that_does_not_start_stops_the_other_while_it_starts_up(tmp_pat
     assert "paired_workers" not in tables
 
 
-def test_a_round_with_a_failed_request_fails_the_measurement_and_says_why(tmp_path: Path):
+@pytest.mark.parametrize("warmup_blocks,where", [(0, "of 4 requests to the candidate worker failed in round 1"),
+                                                  (1, "of 4 requests of the candidate worker's warm-up block failed")])
+def test_a_round_with_a_failed_request_fails_the_measurement_and_says_why(tmp_path: Path, warmup_blocks: int,
+                                                                          where: str):
     launched: list = []
     tables: dict = {}
     # The candidate answers half its requests with HTTP 500, from a seeded draw (SERVEGATE_FAULT_SEED 0:
-    # 0.84 for the one warm-up request, then 0.76, 0.42, 0.26, 0.51 for round 1's four): round 1 fails, and
-    # the error carries the first failed request's own error, since a client-side check can fail a
-    # request that the worker's log shows answered 200 (a token count that contradicts itself).
-    m = PairedMeasurement(_config('worker.extra_args=["--fault-error-rate","0.5"]', "paired.max_measure_s=120"),
+    # 0.84 for the one warm-up request, then 0.76, 0.42, 0.26, 0.51 for the next four: round 1's, or the
+    # warm-up block's before it): that block fails, and the error carries the first failed request's own
+    # error, since a client-side check can fail a request that the worker's log shows answered 200 (a
+    # token count that contradicts itself).
+    m = PairedMeasurement(_config('worker.extra_args=["--fault-error-rate","0.5"]', "paired.max_measure_s=120",
+                                  f"paired.warmup_blocks={warmup_blocks}"),
                           tmp_path, register=launched.append, tables=tables)
     with pytest.raises(StageError) as info:
         m.run()
     message = str(info.value)
-    assert "of 4 requests to the candidate worker failed in round 1 (first: http: HTTP 500: " in message, message
+    assert f"{where} (first: http: HTTP 500: " in message, message
+    assert not any(h.is_alive() for h in launched)
+
+
+def test_each_new_instance_serves_its_warmup_blocks_before_its_first_round(tmp_path: Path):
+    # Two warm-up blocks of the measured workload (4 prompts of 32 tokens), unmeasured: the first flush of
+    # the instance (before round 1) drops their prompts with the warm-up request's few; the flushes before
+    # rounds 2 and 3 drop one block's. Three rounds, one instance pair; interleaved, since a duet's side
+    # that ends first serves more prompts until the other ends (what each flush drops would vary).
+    m, launched = _measure(tmp_path, "paired.mode=interleaved", "paired.warmup_blocks=2", "paired.min_rounds=3",
+                           "paired.min_units=3",
+                           "paired.max_rounds=3", "paired.rounds_per_worker=1000", "paired.max_measure_s=300")
+    assert len(m.tables["paired_rounds"].query("metric == 'itl_median_ms'")) == 3  # warm-up blocks are not rounds
+    for log in ("worker.log", "baseline-worker.log"):
+        dropped = [int(line.split("(")[1].split()[0]) for line in (tmp_path / log).read_text().splitlines()
+                   if "prefix cache flushed (" in line]
+        assert len(dropped) == 3, dropped
+        assert 2 * 4 * 32 < dropped[0] < 3 * 4 * 32 and dropped[1:] == [4 * 32, 4 * 32], dropped
     assert not any(h.is_alive() for h in launched)
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 from scipy.stats import beta
 
 from servegate.calibrate import (SLOWDOWN_FLAG, Arm, CalibrationPlan, CalibrationRun, analyse, format_calibration,
@@ -17,7 +19,7 @@ from servegate.calibrate import (SLOWDOWN_FLAG, Arm, CalibrationPlan, Calibratio
                                  summarise, write_setup)
 from servegate.compare import calibration_figures, calibration_summary, compare_run, compare_tables
 from servegate.config import load_config
-from servegate.errors import ConfigError, InfraError
+from servegate.errors import ConfigError, InfraError, InsufficientDataError
 from servegate.history import GateKey, Store
 from servegate.render import calibration_text
 
@@ -397,9 +399,10 @@ def test_resume_refuses_a_calibration_made_on_another_cpu(tmp_path: Path) -> Non
     setup = json.loads((out / "calibration-setup.json").read_text())
     here = setup["machine"]
     assert here["cpu_model"] and here["cpu_count_logical"] >= 1  # this machine, recorded before the first run
-    setup["machine"] = {**here, "cpu_model": "AMD EPYC"}
+    other = "Intel Xeon" if "AMD" in here["cpu_model"] else "AMD EPYC"  # never this machine's own model
+    setup["machine"] = {**here, "cpu_model": other}
     (out / "calibration-setup.json").write_text(json.dumps(setup))
-    with pytest.raises(ConfigError, match=r"made on another machine \(cpu_model \('AMD EPYC' then, .* now\)\)"):
+    with pytest.raises(ConfigError, match=rf"made on another machine \(cpu_model \('{other}' then, .* now\)\)"):
         previous_runs(out, config, plan, resume=True)
     del setup["machine"]  # a folder from before the machine was recorded: nothing to hold it against
     (out / "calibration-setup.json").write_text(json.dumps(setup))
@@ -446,14 +449,51 @@ def test_a_zoo_arm_shows_its_solo_effect_beside_what_the_gate_read() -> None:
                            tables={"paired": _paired_table((1.10, 1.08, 1.12), "regression", 10, 90.0)}),
             CalibrationRun(2, 0.0, "linears-unpacked", run_dir="/runs/2", status="fail", measurement_s=100.0,
                            tables={"paired": _paired_table((1.08, 1.06, 1.10), "regression", 10, 90.0)})]
-    solo = {"linears-unpacked": {"ratio": 1.09, "ci_low": 1.088, "ci_high": 1.092}}
+    solo = {"linears-unpacked": {"ratio": 1.09, "ci_low": 1.088, "ci_high": 1.092,
+                                 "worker": {"ratio": 1.06, "ci_low": 1.05, "ci_high": 1.07}}}
     figures, decisions = analyse_paired(runs, plan, solo)
     zoo = figures.set_index("arm").loc["linears-unpacked"]
     assert zoo["decisions"] == 2 and zoo["regressions"] == 2 and zoo["solo_ratio"] == 1.09
     assert zoo["read_of_solo"] == pytest.approx(math.log(1.09) / math.log(1.09))  # the median read x1.09
+    assert zoo["worker_solo_ratio"] == 1.06 and zoo["worker_solo_ci_high"] == 1.07
+    assert zoo["read_of_worker_solo"] == pytest.approx(math.log(1.09) / math.log(1.06))
     assert math.isnan(figures.set_index("arm").loc["A/A", "solo_ratio"])
+    assert math.isnan(figures.set_index("arm").loc["A/A", "read_of_worker_solo"])
     assert list(decisions["regression"]) == ["", "", "linears-unpacked", "linears-unpacked",
                                              "linears-unpacked", "linears-unpacked"]
     summary = summarise_paired(runs, figures, decisions, plan)
     assert summary["gate_detections"]["linears-unpacked"]["detections"] == 2 and summary["ab_runs"] == 2
-    assert "x1.0900, read 1.00 of it" in format_calibration(figures, summary)
+    text = format_calibration(figures, summary)
+    assert "x1.0900, read 1.00 of it" in text and "x1.0600, read 1.48 of it" in text
+    assert "solo in the worker" in text and "solo decode step" in text
+
+
+def test_the_worker_solo_effect_is_the_geometric_mean_of_the_rounds_with_a_t_interval() -> None:
+    from servegate.calibrate import worker_solo_effect
+
+    b = [1.05, 1.07, 1.06, 1.08]
+    rounds = pd.DataFrame({"metric": ["itl_median_ms"] * 4 + ["ttft_median_ms"] * 4,
+                           "a_value": [20.0] * 4 + [100.0] * 4, "b_value": [20.0 * x for x in b] + [300.0] * 4})
+    effect = worker_solo_effect(rounds)
+    logs = [math.log(x) for x in b]
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    half = stats.t.ppf(0.975, 3) * sd / 2
+    assert effect["ratio"] == pytest.approx(math.exp(mean)) and effect["rounds"] == 4
+    assert (effect["ci_low"], effect["ci_high"]) == (pytest.approx(math.exp(mean - half)), pytest.approx(math.exp(mean + half)))
+    assert effect["baseline_median"] == 20.0 and effect["candidate_median"] == pytest.approx(20.0 * 1.065)
+    with pytest.raises(InsufficientDataError, match="2 rounds of itl_median_ms"):
+        worker_solo_effect(rounds.iloc[[0, 1]])
+
+
+def test_the_worker_solo_config_alternates_the_two_workers_blocks_on_one_pair_of_instances(tmp_path: Path) -> None:
+    from servegate.calibrate import WORKER_SOLO_ROUNDS, worker_solo_config
+
+    config = load_config(profile="smoke-ab")
+    cfg = worker_solo_config(config, "attention-eager", tmp_path / "tree", tmp_path / "out")
+    p = cfg.paired
+    assert (p.mode, p.rounds_per_worker, p.min_rounds, p.max_rounds) == ("interleaved", WORKER_SOLO_ROUNDS,
+                                                                          WORKER_SOLO_ROUNDS, WORKER_SOLO_ROUNDS)
+    assert not p.confirm and not p.profile and p.warmup_blocks == 1 and p.max_measure_s >= 900
+    assert cfg.worker.env["PYTHONPATH"] == str(tmp_path / "tree") and "PYTHONPATH" not in cfg.baseline.env
+    assert cfg.worker.cpus == cfg.baseline.cpus == [0] and p.client_cpus == [1]  # the gate's own placement
+    assert cfg.output_dir == str(tmp_path / "out") and not cfg.store.enabled and not cfg.quality.enabled
