@@ -1,4 +1,10 @@
-"""Forward-occupancy scrape: one long request in the background, ``/metrics`` scraped meanwhile.
+"""Forward-occupancy scrape: a long request in the background, ``/metrics`` scraped meanwhile.
+
+The load is one request of ``occupancy.max_new_tokens``; when it finished before
+``occupancy.min_samples`` scrapes read a value (a fast CPU decodes 128 tokens in under two
+seconds, and the gauge reads NaN until its first window of decode steps completes), the same
+request is sent again, up to ``occupancy.max_requests`` in all. A token budget sized on one
+machine thus still yields its samples on a faster one, and ``n_requests`` says how many it took.
 
 ``sglang:fwd_occupancy`` is the percent of wall time the scheduler spent in forward passes
 over a window; it reads NaN at each window's start, so NaN samples are dropped. With
@@ -152,7 +158,7 @@ def scrape_metrics(session: requests.Session, base_url: str, engine: Engine,
 
 
 class _LongRequest(threading.Thread):
-    """The background load: one non-streamed generation of ``max_new_tokens`` with ignore_eos."""
+    """One background request: a non-streamed generation of ``max_new_tokens`` with ignore_eos."""
 
     def __init__(self, url: str, body: dict[str, Any], api_key: str | None, timeout_s: float) -> None:
         super().__init__(name="occupancy-load", daemon=True)
@@ -176,7 +182,7 @@ class _LongRequest(threading.Thread):
             self.done.set()
 
 
-def _summary(samples: pd.DataFrame, applicable: bool, n_scrapes: int) -> dict[str, Any]:
+def _summary(samples: pd.DataFrame, applicable: bool, n_scrapes: int, n_requests: int) -> dict[str, Any]:
     def stat(col: str, fn: Callable[[np.ndarray], float]) -> float:
         v = samples[col].dropna().to_numpy(dtype=float)
         return float(fn(v)) if v.size else math.nan
@@ -185,6 +191,7 @@ def _summary(samples: pd.DataFrame, applicable: bool, n_scrapes: int) -> dict[st
     return {
         "n_samples": int(occ.size) if applicable else int(n_scrapes),
         "n_scrapes": int(n_scrapes),
+        "n_requests": int(n_requests),
         "fwd_occupancy_applicable": applicable,
         "fwd_occupancy_median": stat("fwd_occupancy", np.median),
         "fwd_occupancy_min": stat("fwd_occupancy", np.min),
@@ -199,7 +206,8 @@ def _summary(samples: pd.DataFrame, applicable: bool, n_scrapes: int) -> dict[st
 def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: str | None = None, *,
                   session: requests.Session | None = None,
                   partial: dict[str, pd.DataFrame] | None = None) -> OccupancyResult:
-    """Scrape ``/metrics`` every ``cfg.scrape_interval_s`` while one long request runs.
+    """Scrape ``/metrics`` every ``cfg.scrape_interval_s`` while a long request runs, sending it again
+    (up to ``cfg.max_requests`` in all) while fewer than ``cfg.min_samples`` scrapes read a value.
 
     Raises ``MetricsError`` (with ``engine.metrics_hint``) when ``/metrics`` is missing or
     malformed or the occupancy gauge never appears; ``InsufficientDataError`` when fewer than
@@ -228,33 +236,40 @@ def run_occupancy(base_url: str, engine: Engine, cfg: OccupancyConfig, api_key: 
         model = wire.served_model(http, base_url, limit_s=min(cfg.request_timeout_s, 30.0),
                                   setting="occupancy.request_timeout_s")
         body = wire.body(cfg.prompt, cfg.max_new_tokens, model=model, stream=False)
-        load = _LongRequest(wire.url(base_url), body, api_key, cfg.request_timeout_s)
         t0 = time.perf_counter()
-        load.start()
-        while not load.done.wait(cfg.scrape_interval_s):
-            values = scrape_metrics(http, base_url, engine)
-            n_scrapes += 1
-            seen.update(k for k, name in engine.metric_names.items() if name in values)
-            row = {"t_s": time.perf_counter() - t0, **aggregate_scrape(values, engine.metric_names)}
-            if counters:
-                counts = counter_totals(values, counters)
-                row["spec_accept_length"] = accept_length_between(last_counts, counts)
-                last_counts = counts
-            rows.append(row)
-        load.join()
-        if load.error is not None:
-            raise load.error
+        n_requests = 0
+        while True:
+            load = _LongRequest(wire.url(base_url), body, api_key, cfg.request_timeout_s)
+            load.start()
+            n_requests += 1
+            while not load.done.wait(cfg.scrape_interval_s):
+                values = scrape_metrics(http, base_url, engine)
+                n_scrapes += 1
+                seen.update(k for k, name in engine.metric_names.items() if name in values)
+                row = {"t_s": time.perf_counter() - t0, **aggregate_scrape(values, engine.metric_names)}
+                if counters:
+                    counts = counter_totals(values, counters)
+                    row["spec_accept_length"] = accept_length_between(last_counts, counts)
+                    last_counts = counts
+                rows.append(row)
+            load.join()
+            if load.error is not None:
+                raise load.error
+            n_valued = sum(not math.isnan(r["fwd_occupancy"]) for r in rows) if applicable else n_scrapes
+            if n_valued >= cfg.min_samples or n_requests >= cfg.max_requests:
+                break
         samples = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
         if applicable and "fwd_occupancy" not in seen:
             raise MetricsError(f"{base_url}/metrics has no {engine.metric_names['fwd_occupancy']} gauge "
                                f"in {n_scrapes + 1} scrapes. {engine.metrics_hint}")
-        summary = _summary(samples, applicable, n_scrapes)
+        summary = _summary(samples, applicable, n_scrapes, n_requests)
         if summary["n_samples"] < cfg.min_samples:
             what = "non-NaN fwd_occupancy samples" if applicable else "scrapes"
             raise InsufficientDataError(
                 f"{summary['n_samples']} {what} from {base_url}/metrics (need occupancy.min_samples="
-                f"{cfg.min_samples}) over a {n_scrapes}-scrape run; raise occupancy.max_new_tokens or "
-                f"lower occupancy.scrape_interval_s so the request outlasts more scrapes")
+                f"{cfg.min_samples}) over {n_scrapes} scrapes of {n_requests} request(s) of "
+                f"{cfg.max_new_tokens} tokens; raise occupancy.max_new_tokens or occupancy.max_requests, "
+                f"or lower occupancy.scrape_interval_s, so the load outlasts more scrapes")
         return OccupancyResult(samples=samples, summary=pd.DataFrame([summary]))
     finally:
         if partial is not None:

@@ -114,8 +114,25 @@ def test_always_nan_gauge_is_insufficient_data(sim: SimServer) -> None:
 
 
 def test_too_few_samples_is_insufficient_data(sim: SimServer) -> None:
-    with pytest.raises(InsufficientDataError, match="min_samples=500"):
-        run_occupancy(sim.base_url, SGLangEngine(), _cfg(min_samples=500))
+    with pytest.raises(InsufficientDataError, match="min_samples=500") as info:
+        run_occupancy(sim.base_url, SGLangEngine(), _cfg(min_samples=500, max_requests=2))
+    assert "of 2 request(s) of 100 tokens" in str(info.value) and "occupancy.max_requests" in str(info.value)
+    assert len(sim.state.bodies) == 2  # sent again once, then no more: max_requests bounds the load
+
+
+def test_a_request_too_short_for_min_samples_is_sent_again(sim: SimServer) -> None:
+    # One 0.4 s request scraped every 20 ms reads at most 20 scrapes (15 with a value): 25 need more.
+    res = run_occupancy(sim.base_url, SGLangEngine(), _cfg(min_samples=25, max_requests=20))
+    s = res.summary.iloc[0]
+    assert s["n_samples"] >= 25 and s["n_scrapes"] == len(res.samples)
+    assert 2 <= s["n_requests"] < 20 and len(sim.state.bodies) == s["n_requests"]
+    assert all(body == sim.state.bodies[0] for body in sim.state.bodies)  # the same request each time
+    assert res.samples["t_s"].is_monotonic_increasing  # one clock over all the requests
+
+
+def test_enough_samples_from_one_request_sends_one(sim: SimServer) -> None:
+    res = run_occupancy(sim.base_url, SGLangEngine(), _cfg(min_samples=3, max_requests=5))
+    assert res.summary.iloc[0]["n_requests"] == 1 and len(sim.state.bodies) == 1
 
 
 def test_engine_without_occupancy_gauge_reports_the_rest(sim: SimServer) -> None:
