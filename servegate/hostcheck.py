@@ -226,8 +226,10 @@ class _Group:
     """Which processes belong to host group ``group``: those whose environment names it, and their
     descendants. Descent matters because a process may overwrite the memory that ``/proc/PID/environ``
     shows with its title — PostgreSQL's backends and every ``setproctitle`` user (vLLM's engine core)
-    do — while its parent, started by the group, still shows the group's value. A process we cannot
-    see into, with no ancestor in the group, is counted; so is every process when ``group`` is None."""
+    do — while its parent, started by the group, still shows the group's value. So does a zombie's parent:
+    a test's child that ended during the sample is a zombie until reaped, with no environment left to read
+    (a CI lane once counted one, "pid N python (0.55 core)", and refused a gate). A process we cannot see
+    into, with no ancestor in the group, is counted; so is every process when ``group`` is None."""
 
     def __init__(self, group: str | None) -> None:
         self.group = group
@@ -245,11 +247,19 @@ class _Group:
                 break
             chain.append(current.pid)
             try:
-                if current.environ().get(HOST_GROUP_ENV) == self.group:
-                    member = True
-                    break
+                environ: Mapping[str, str] | None = current.environ()
+            except (psutil.ZombieProcess, psutil.AccessDenied):
+                # A zombie (it exited during the sample, its parent has not reaped it yet) has no environment
+                # left, and another user's is closed to us; its parent still says whose it is.
+                environ = None
+            except (psutil.NoSuchProcess, OSError):
+                break
+            if environ is not None and environ.get(HOST_GROUP_ENV) == self.group:
+                member = True
+                break
+            try:
                 current = current.parent()
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
                 current = None
         for pid in chain:
             self._known[pid] = member

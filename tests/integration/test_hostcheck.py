@@ -134,6 +134,41 @@ def test_the_host_group_is_not_counted_and_a_process_outside_it_is(monkeypatch: 
     assert {friend.pid, child.pid, stranger.pid} <= counted and ungrouped.host_group is None, ungrouped
 
 
+# A parent that leaves its child (whose environment lacks the group) unreaped: a zombie once it ends.
+_PARENT_OF_ZOMBIE = ("import os, subprocess, sys, time; env = {k: v for k, v in os.environ.items() if k != %r}; "
+                     "subprocess.Popen([sys.executable, '-c', 'pass'], env=env); time.sleep(60)" % HOST_GROUP_ENV)
+
+
+def test_a_zombie_child_of_the_group_is_the_groups():
+    """A child of a group member that ended during the host check's sample is a zombie until its parent
+    reaps it: its environment is gone from /proc, yet it is the group's, by its parent (a CI lane once
+    counted such a child, 0.55 core, and refused the other lane's gate). A zombie whose parent is outside the
+    group is still counted."""
+    from servegate.hostcheck import _Group
+
+    friend = _orphan({**_outside_the_group(), HOST_GROUP_ENV: "servegate-test-group"}, _PARENT_OF_ZOMBIE)
+    stranger = _orphan(_outside_the_group(), _PARENT_OF_ZOMBIE)
+    try:
+        deadline = time.monotonic() + 20
+        zombies: list[psutil.Process] = []
+        while time.monotonic() < deadline:
+            zombies = [c for p in (friend, stranger) for c in p.children() if c.status() == psutil.STATUS_ZOMBIE]
+            if len(zombies) == 2:
+                break
+            time.sleep(0.05)
+        assert len(zombies) == 2, zombies
+        ours, theirs = zombies
+        assert ours.ppid() == friend.pid and theirs.ppid() == stranger.pid
+        with pytest.raises(psutil.ZombieProcess):
+            ours.environ()
+        group = _Group("servegate-test-group")
+        assert ours in group and theirs not in group
+    finally:
+        for proc in (friend, stranger):
+            proc.kill()
+        psutil.wait_procs([friend, stranger], timeout=10)
+
+
 @pytest.mark.gate
 @pytest.mark.exclusive
 def test_a_quiet_host_is_recorded_in_the_run_folder_and_the_history(tmp_path: Path):
